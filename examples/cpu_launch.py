@@ -1,0 +1,127 @@
+"""Run TorchTitan 0.3.0's real trainer (``torchtitan.train.main``) on a CPU.
+
+Usage (from the repository root; arguments are exactly ``torchtitan.train``'s)::
+
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=1 \\
+        examples/cpu_launch.py --module llama3 --config llama3_debugmodel \\
+        --hf_assets_path examples/assets/tokenizer \\
+        --dataloader.dataset_path examples/assets/corpus \\
+        --training.steps 5 --training.seq_len 256 --training.local_batch_size 2
+
+``python examples/cpu_launch.py ...`` also works for one process: the launcher
+then sets the torchrun environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT) itself. Use ``OMP_NUM_THREADS=1`` on a 2-core machine.
+
+Only the workarounds TorchTitan 0.3.0 needs on a machine without an
+accelerator are applied; each is explained where it is made. Apart from the
+attention swap (FlexAttention -> causal SDPA) none changes the numerics.
+"""
+
+import os
+import resource
+import socket
+import sys
+import types
+
+import torch
+
+# (0) The debug configs' dataset/tokenizer are local files: never reach for the
+#     Hugging Face Hub (the machine may be offline).
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# (1) The trainer reads LOCAL_RANK (tools/utils.get_local_device) and
+#     init_process_group needs a rendezvous: torchrun sets these; a plain
+#     `python examples/cpu_launch.py` gets a single-process world here.
+if "LOCAL_RANK" not in os.environ:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                     MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
+        os.environ.setdefault(k, v)
+
+
+def _total_ram() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+# (2) tools/utils.py picks `_get_available_device_type() or "cuda"`, so with no
+#     accelerator the trainer calls torch.cuda.set_device and dies. Several
+#     modules do `from torchtitan.tools.utils import device_type, device_module`
+#     at import time, so both names must be patched before anything else from
+#     torchtitan is imported. torch.cpu lacks the memory/introspection calls the
+#     trainer makes (metrics.DeviceMemoryMonitor, set_pg_timeouts' barrier uses
+#     current_device() as an int device id): this shim supplies them. The
+#     "memory" numbers it reports are the process's peak RSS.
+_cpu_module = types.SimpleNamespace(
+    is_available=lambda: True,
+    device_count=lambda: 1,
+    current_device=lambda: 0,
+    set_device=lambda device: None,
+    synchronize=lambda device=None: None,
+    empty_cache=lambda: None,
+    reset_peak_memory_stats=lambda device=None: None,
+    get_device_name=lambda device=None: "cpu",
+    get_device_properties=lambda device=None: types.SimpleNamespace(
+        name="cpu", total_memory=_total_ram()
+    ),
+    memory_stats=lambda device=None: {
+        "active_bytes.all.peak": _peak_rss(),
+        "reserved_bytes.all.peak": _peak_rss(),
+        "num_alloc_retries": 0,
+        "num_ooms": 0,
+    },
+)
+
+import torchtitan.tools.utils as _tt_utils  # noqa: E402  (must follow the env setup)
+
+_tt_utils.device_type, _tt_utils.device_module = "cpu", _cpu_module
+# gloo: distributed/utils._get_distributed_backend maps device_type through
+# torch.distributed.Backend.default_device_backend_map, so "cpu" -> "gloo"
+# follows from the patch above; nothing more is needed.
+
+from torchtitan.config import ConfigManager  # noqa: E402
+from torchtitan.config.override import derive, override  # noqa: E402
+from torchtitan.models.common.attention import (  # noqa: E402
+    FlexAttention,
+    ScaledDotProductAttention,
+)
+
+
+# (3) FlexAttention has no CPU backward (torch 2.14), and every language-model
+#     config in 0.3.0 uses it (get_attention_config("flex")). Swap each
+#     FlexAttention node for ScaledDotProductAttention(is_causal=True) through
+#     TorchTitan's own @override seam, which runs after converters and after
+#     sharding configs are attached (derive() keeps them). The trainer then
+#     builds no BlockMask (post_dataloading_process only does for Flex/Varlen).
+#     NUMERICS CHANGE: plain causal attention over the packed sequence, so
+#     tokens can attend across document boundaries (document masking is lost).
+@override(target=FlexAttention.Config, description="CPU: FlexAttention -> causal SDPA")
+def flex_to_causal_sdpa(cfg: FlexAttention.Config) -> ScaledDotProductAttention.Config:
+    return derive(cfg, ScaledDotProductAttention.Config)
+
+
+_OVERRIDE = f"{flex_to_causal_sdpa.__module__}.{flex_to_causal_sdpa.__name__}"
+_parse_args = ConfigManager.parse_args
+
+
+def _parse_args_cpu(self, args=None):
+    # Append after CLI parsing: a user's --override.imports replaces the list.
+    config = _parse_args(self, args)
+    if _OVERRIDE not in config.override.imports:
+        config.override.imports.append(_OVERRIDE)
+    return config
+
+
+ConfigManager.parse_args = _parse_args_cpu
+
+
+if __name__ == "__main__":
+    from torchtitan.train import main
+
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""Routing on named profiles, the environment override, explicit requests, third-party plugins."""
+
+import pytest
+import torch
+from doubles import primus_turbo_double
+
+import titan_primus as tp
+from titan_primus.backends import EmulatedBackend
+from titan_primus.hookspec import hookimpl
+
+
+@pytest.mark.parametrize(
+    "device, op, recipe, expected",
+    [
+        ("cpu", "linear", "rowwise", "emulated"),
+        ("cpu", "grouped_mm", "rowwise", "emulated"),
+        ("sm90", "linear", "tensorwise", "torchao"),
+        ("sm90", "grouped_mm", "rowwise", "torchao"),
+        ("sm90", "grouped_mm", "tensorwise", "emulated"),  # TorchAO has only rowwise grouped GEMMs
+        ("gfx942", "linear", "rowwise", "torchao"),  # no Primus-Turbo here
+        ("gfx950", "grouped_mm", "rowwise", "torchao"),
+        ("gfx90a", "linear", "rowwise", "emulated"),  # MI250: no FP8 units
+    ],
+)
+def test_auto_routing_without_primus_turbo(device, op, recipe, expected):
+    decision = tp.select_backend(op, recipe, device)
+    assert decision.backend_name == expected, decision.explain()
+    passed = dict(decision.passed_over)
+    assert "primus_turbo" in passed and passed["primus_turbo"]  # every better backend says why not
+    if expected == "emulated":
+        assert "torchao" in passed
+
+
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
+def test_auto_routing_with_primus_turbo(arch, monkeypatch):
+    primus_turbo_double.install(monkeypatch, arch=arch)
+    tp.registry.refresh()
+    for op in ("linear", "grouped_mm"):
+        decision = tp.select_backend(op, "rowwise", arch)
+        assert decision.backend_name == "primus_turbo"
+        assert decision.passed_over == ()
+        assert decision.recipe.e4m3 == (torch.float8_e4m3fnuz if arch == "gfx942" else torch.float8_e4m3fn)
+    # Not on NVIDIA, even with Primus-Turbo importable.
+    assert tp.select_backend("linear", "rowwise", "sm90").backend_name == "torchao"
+
+
+def test_emulation_reproduces_the_devices_preferred_definition():
+    assert tp.select_backend("linear", "rowwise", "gfx942", "emulated").recipe.definition == "primus_turbo"
+    assert tp.select_backend("linear", "rowwise", "sm90", "emulated").recipe.definition == "torchao"
+    assert tp.select_backend("linear", "rowwise_with_gw_hp", "gfx942", "emulated").recipe.definition == "torchao"
+
+
+def test_environment_overrides_auto(monkeypatch):
+    monkeypatch.setenv("TITAN_PRIMUS_BACKEND", "emulated")
+    assert tp.select_backend("linear", "rowwise", "sm90").backend_name == "emulated"
+    # An explicit request still wins over the environment.
+    assert tp.select_backend("linear", "rowwise", "sm90", requested="torchao").backend_name == "torchao"
+    monkeypatch.setenv("TITAN_PRIMUS_BACKEND", "primus_turbo")
+    with pytest.raises(tp.BackendUnavailableError, match="TITAN_PRIMUS_BACKEND"):
+        tp.select_backend("linear", "rowwise", "gfx942")
+
+
+def test_explicit_unavailable_backend_is_a_clear_error():
+    with pytest.raises(tp.BackendUnavailableError, match="MI300-class") as info:
+        tp.select_backend("linear", "rowwise", "cpu", requested="primus_turbo")
+    assert "'primus_turbo'" in str(info.value) and "cpu" in str(info.value)
+    with pytest.raises(tp.BackendUnavailableError, match="Triton kernels"):
+        tp.select_backend("grouped_mm", "rowwise", "cpu", requested="torchao")
+    with pytest.raises(ValueError, match="registered backends: primus_turbo, torchao, emulated"):
+        tp.select_backend("linear", "rowwise", "cpu", requested="cutlass")
+
+
+def test_shapes_the_kernels_cannot_take_fall_back_with_reason():
+    decision = tp.select_backend("linear", "rowwise", "sm90", k=100, n=64)
+    assert decision.backend_name == "emulated"
+    assert "K=100" in dict(decision.passed_over)["torchao"]
+
+
+class _BetterBackend(EmulatedBackend):
+    """A third-party backend that says it is the best choice on H100s."""
+
+    name = "vendor_fp8"
+
+    def rank(self, device):
+        return 1000 if device.arch == "sm90" else 0
+
+    def availability(self, device):
+        return tp.Verdict.yes() if device.arch == "sm90" else tp.Verdict.no("vendor kernels exist only for sm90")
+
+
+class _Plugin:
+    @hookimpl
+    def titan_primus_register_backends(self):
+        return [_BetterBackend()]
+
+
+def test_third_party_backend_wins_when_it_ranks_higher():
+    plugin = _Plugin()
+    tp.registry.register(plugin, name="vendor")
+    try:
+        assert tp.select_backend("linear", "rowwise", "sm90").backend_name == "vendor_fp8"
+        cpu = tp.select_backend("linear", "rowwise", "cpu")
+        assert cpu.backend_name == "emulated"
+        assert dict(cpu.passed_over)["vendor_fp8"].endswith("vendor kernels exist only for sm90")
+        x, w = torch.randn(8, 32), torch.randn(16, 32)
+        assert tp.fp8_linear(x, w, device="sm90").shape == (8, 16)
+    finally:
+        tp.registry.unregister(plugin)
+    assert tp.select_backend("linear", "rowwise", "sm90").backend_name == "torchao"
+
+
+def test_backend_name_clash_is_an_error():
+    class Clash:
+        @hookimpl
+        def titan_primus_register_backends(self):
+            return [EmulatedBackend()]
+
+    plugin = Clash()
+    with pytest.raises(ValueError, match="registered by both"):
+        tp.registry.register(plugin, name="clash")
+    assert tp.registry.plugin_manager().get_plugin("clash") is None
+    assert tp.select_backend("linear", "rowwise", "cpu").backend_name == "emulated"
+
+
+def test_entry_point_autoload_can_be_disabled(monkeypatch):
+    """TITAN_PRIMUS_DISABLE_PLUGIN_AUTOLOAD=1 (set for this suite) skips entry points, as pytest does."""
+    calls = []
+    monkeypatch.setattr(
+        "pluggy.PluginManager.load_setuptools_entrypoints", lambda self, group, name=None: calls.append(group)
+    )
+    tp.registry.plugin_manager.cache_clear()
+    try:
+        tp.registry.plugin_manager()
+        assert calls == []
+        monkeypatch.delenv("TITAN_PRIMUS_DISABLE_PLUGIN_AUTOLOAD")
+        tp.registry.plugin_manager.cache_clear()
+        tp.registry.plugin_manager()
+        assert calls == ["titan_primus"]
+    finally:
+        tp.registry.plugin_manager.cache_clear()

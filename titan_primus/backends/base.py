@@ -1,0 +1,85 @@
+"""The op interface every backend implements (built-in or third-party, via pluggy).
+
+A backend is an object with a ``name`` and the methods below. Routing calls the first four once
+per (op, recipe, device) at conversion time; ``linear`` and ``grouped_mm`` are the hot path and
+receive inputs that were already validated.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import torch
+
+from ..device import DeviceProfile
+from ..recipes import Fp8Recipe
+
+__all__ = ["Op", "OPS", "Verdict", "Fp8Backend"]
+
+Op = Literal["linear", "grouped_mm"]
+OPS: tuple[Op, ...] = ("linear", "grouped_mm")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Yes or no, with one sentence a user can act on."""
+
+    ok: bool
+    reason: str = ""
+
+    @classmethod
+    def yes(cls, reason: str = "") -> "Verdict":
+        return cls(True, reason)
+
+    @classmethod
+    def no(cls, reason: str) -> "Verdict":
+        return cls(False, reason)
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+class Fp8Backend(ABC):
+    """One FP8 implementation of the two ops."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def rank(self, device: DeviceProfile) -> int:
+        """Preference under ``backend="auto"`` on ``device``: the highest available one wins;
+        0 means never chosen automatically there (it may still be requested by name)."""
+
+    @abstractmethod
+    def availability(self, device: DeviceProfile) -> Verdict:
+        """Can this backend run on ``device`` at all (hardware, importable dependencies)?"""
+
+    @abstractmethod
+    def supports(
+        self, op: Op, recipe: str, device: DeviceProfile, k: int | None = None, n: int | None = None
+    ) -> Verdict:
+        """Does it implement ``op`` with ``recipe`` on ``device``, for a contracted dim ``k`` and
+        output dim ``n`` when given? Called after ``availability`` said yes."""
+
+    @abstractmethod
+    def recipe_for(self, recipe: str, device: DeviceProfile) -> Fp8Recipe:
+        """The exact numerics this backend runs for ``recipe`` on ``device``."""
+
+    @abstractmethod
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Fp8Recipe
+    ) -> torch.Tensor:
+        """``x @ weight.T + bias`` for 2-D ``x`` [M, K] and ``weight`` [N, K], with autograd."""
+
+    @abstractmethod
+    def grouped_mm(
+        self, A: torch.Tensor, B_t: torch.Tensor, offs: torch.Tensor, recipe: Fp8Recipe
+    ) -> torch.Tensor:
+        """TorchTitan's ``GroupedExperts._grouped_mm`` contract, with autograd: A [R, K],
+        B_t [E, K, N], offs int32 cumulative end offsets [E]; rows past offs[-1] are zero."""
+
+    @abstractmethod
+    def accepts(self, recipe: Fp8Recipe) -> Verdict:
+        """Can this backend run a recipe object built elsewhere (e.g. one definition compared
+        across backends in a parity run)?"""

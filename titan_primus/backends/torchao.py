@@ -1,0 +1,162 @@
+"""TorchAO backend: ``torchao.float8``'s linear autograd function, and
+``_to_fp8_rowwise_then_scaled_grouped_mm`` for MoE grouped GEMMs.
+
+Everything TorchAO is imported lazily, and names that moved between TorchAO releases are looked
+up through the candidate lists below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from functools import cache, cached_property
+
+import torch
+
+from ..device import DeviceProfile
+from ..grouping import zero_trailing_rows
+from ..recipes import Fp8Recipe, make_recipe
+from .base import Fp8Backend, Op, Verdict
+
+__all__ = ["TorchAOBackend"]
+
+# (module, attribute) candidates, newest first.
+_GROUPED_MM_NAMES = (
+    ("torchao.prototype.moe_training", "_to_fp8_rowwise_then_scaled_grouped_mm"),  # 0.17+
+    ("torchao.prototype.moe_training.fp8_grouped_mm", "_to_fp8_rowwise_then_scaled_grouped_mm"),
+)
+_ALIGNMENT = 16  # FP8 tensor-core kernels need K, N (and grouped-GEMM group sizes) % 16 == 0
+
+
+def _first_attr(candidates: tuple[tuple[str, str], ...]):
+    errors = []
+    for module, attr in candidates:
+        try:
+            return getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            errors.append(f"{module}.{attr}: {e}")
+    raise ImportError("; ".join(errors))
+
+
+class _WithoutOneDNN(torch.autograd.Function):
+    """Run ``fn`` forward and backward with oneDNN disabled.
+
+    On a CPU, ``torch._scaled_mm`` dispatches its tensorwise kernel to oneDNN, which runs at
+    ~0.05 GFLOP/s (seconds per backward GEMM); with oneDNN off the same math takes milliseconds
+    and e4m3fnuz works too. The flag is read when kernels dispatch, so it must be off in backward
+    as well: the inner graph is kept and differentiated under the same flag.
+    """
+
+    @staticmethod
+    def forward(ctx, fn, *inputs):
+        detached = [t.detach().requires_grad_(t.requires_grad) if t is not None else None for t in inputs]
+        with torch.enable_grad(), torch.backends.mkldnn.flags(enabled=False):
+            out = fn(*detached)
+        ctx.inner = (detached, out)
+        return out.detach()
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        detached, out = ctx.inner
+        wanted = [t for t in detached if t is not None and t.requires_grad]
+        with torch.backends.mkldnn.flags(enabled=False):
+            grads = iter(torch.autograd.grad(out, wanted, grad_out, allow_unused=True) if wanted else ())
+        return None, *(next(grads) if t is not None and t.requires_grad else None for t in detached)
+
+
+class TorchAOBackend(Fp8Backend):
+    name = "torchao"
+
+    @cached_property
+    def _import_error(self) -> str | None:
+        try:
+            importlib.import_module("torchao.float8.float8_linear")
+        except ImportError as e:
+            return f"TorchAO is not importable ({e}); pip install 'torchao>=0.17'"
+        return None
+
+    def rank(self, device: DeviceProfile) -> int:
+        return 200 if device.fp8_hardware else 0
+
+    def availability(self, device: DeviceProfile) -> Verdict:
+        if self._import_error:
+            return Verdict.no(self._import_error)
+        if not device.fp8_hardware:
+            return Verdict.yes(
+                f"{device.name} has no FP8 units: TorchAO runs there only when requested by name, "
+                f"as a reference (its CPU _scaled_mm path is slow; the emulation is the fast CPU path)"
+            )
+        return Verdict.yes(f"TorchAO FP8 kernels on {device.arch}")
+
+    def supports(self, op: Op, recipe: str, device: DeviceProfile, k: int | None = None, n: int | None = None) -> Verdict:
+        if op == "grouped_mm":
+            if not device.fp8_hardware or device.kind == "cpu":
+                return Verdict.no(
+                    f"TorchAO's FP8 grouped GEMM needs its Triton kernels and torch._scaled_grouped_mm, "
+                    f"which exist only on CUDA SM89+ or ROCm gfx942+ (this is {device.arch})"
+                )
+            if recipe != "rowwise":
+                return Verdict.no(
+                    f"TorchAO implements only the rowwise recipe for grouped GEMMs, not {recipe!r}"
+                )
+        bad = [f"{name}={dim}" for name, dim in (("K", k), ("N", n)) if dim is not None and dim % _ALIGNMENT]
+        if bad:
+            return Verdict.no(f"TorchAO's FP8 GEMMs need K and N divisible by {_ALIGNMENT} ({', '.join(bad)})")
+        return Verdict.yes()
+
+    def recipe_for(self, recipe: str, device: DeviceProfile) -> Fp8Recipe:
+        return make_recipe(recipe, "torchao", device)
+
+    def accepts(self, recipe: Fp8Recipe) -> Verdict:
+        if recipe.definition != "torchao":
+            return Verdict.no(f"TorchAO runs the torchao definition of {recipe.name!r}, not the {recipe.definition} one")
+        return Verdict.yes()
+
+    def linear(self, x, weight, bias, recipe):
+        from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+
+        config, mm_config = _linear_configs(recipe)
+
+        def run(x, weight):
+            return matmul_with_hp_or_float8_args.apply(x, weight.t(), mm_config, config)
+
+        out = _WithoutOneDNN.apply(run, x, weight) if x.device.type == "cpu" else run(x, weight)
+        return out if bias is None else out + bias.to(out.dtype)
+
+    @cached_property
+    def _grouped_mm_fn(self):
+        return _first_attr(_GROUPED_MM_NAMES)
+
+    def grouped_mm(self, A, B_t, offs, recipe):
+        # Masking the input too drops whatever the kernel writes into trailing rows of grad_A.
+        out = self._grouped_mm_fn(
+            zero_trailing_rows(A, offs), B_t, offs, out_dtype=torch.bfloat16, float8_dtype=recipe.e4m3,
+            # Its default (True) asserts "not yet supported"; groups come aligned from the
+            # padding token dispatcher the converter installs.
+            pad_token_groups_for_grouped_mm=False,
+        )
+        return zero_trailing_rows(out, offs)
+
+
+@cache
+def _linear_configs(recipe: Fp8Recipe):
+    """TorchAO's Float8LinearConfig and LinearMMConfig for ``recipe``, built once per recipe."""
+    from torchao.float8.config import Float8LinearConfig
+    from torchao.float8.float8_training_tensor import LinearMMConfig, ScaledMMConfig
+
+    # TorchAO picks e4m3fn vs e4m3fnuz once at import from the local GPU; the recipe carries the
+    # device's formats, so retarget every cast (this is also how fnuz is exercised on a CPU).
+    base = Float8LinearConfig.from_recipe_name(recipe.name)
+    formats = {torch.float8_e4m3fn: recipe.e4m3, torch.float8_e4m3fnuz: recipe.e4m3,
+               torch.float8_e5m2: recipe.e5m2, torch.float8_e5m2fnuz: recipe.e5m2}
+    casts = {
+        f.name: dataclasses.replace(getattr(base, f.name), target_dtype=formats[getattr(base, f.name).target_dtype])
+        for f in dataclasses.fields(base)
+        if f.name.startswith("cast_config_")
+    }
+    config = dataclasses.replace(base, **casts)
+    gemms = (config.gemm_config_output, config.gemm_config_grad_input, config.gemm_config_grad_weight)
+    mm_config = LinearMMConfig(
+        *(ScaledMMConfig(False, gemm.use_fast_accum, False, config.pad_inner_dim) for gemm in gemms)
+    )
+    return config, mm_config

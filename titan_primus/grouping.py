@@ -1,0 +1,35 @@
+"""Token-group offsets, one convention in, every backend's convention out.
+
+TorchTitan, TorchAO and ``torch._grouped_mm`` describe groups by int32 cumulative END offsets of
+length E (``offs[e]`` is one past the last row of group e). Rows of A at or past ``offs[-1]``
+belong to no group (TorchTitan's padding dispatcher leaves them); their outputs and gradients
+must be exactly zero.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["group_lens", "group_bounds", "zero_trailing_rows"]
+
+
+def group_lens(offs: torch.Tensor) -> torch.Tensor:
+    """Per-group row counts, int64 on ``offs``' device (Primus-Turbo's ``group_lens``)."""
+    return torch.diff(offs, prepend=offs.new_zeros(1)).to(torch.int64)
+
+
+def group_bounds(offs: torch.Tensor) -> list[tuple[int, int]]:
+    """(start, end) row range of each group, on the host. Synchronises with the device."""
+    ends = offs.tolist()
+    return list(zip([0, *ends[:-1]], ends))
+
+
+def zero_trailing_rows(t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``t`` with rows at or past ``offs[-1]`` set to zero, without a host sync.
+
+    ``torch.where`` rather than a multiply: it drops NaN/garbage in the unselected rows, and its
+    backward sends exactly zero gradient to them.
+    """
+    rows = torch.arange(t.shape[0], device=t.device)
+    valid = (rows < offs[-1]).unsqueeze(-1)
+    return torch.where(valid, t, torch.zeros((), dtype=t.dtype, device=t.device))

@@ -1,0 +1,120 @@
+"""Routing: which backend runs an op with a recipe on a device, and why.
+
+Decided once per (op, recipe, device, request) and cached; the converter decides at conversion
+time, so nothing is routed per call in the forward pass.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import cache
+
+from .backends.base import OPS, Fp8Backend, Op
+from .device import DeviceProfile, resolve_device
+from .recipes import Fp8Recipe, check_recipe_name
+
+__all__ = ["BACKEND_ENV", "RoutingDecision", "BackendUnavailableError", "select_backend", "clear_cache"]
+
+BACKEND_ENV = "TITAN_PRIMUS_BACKEND"
+
+
+class BackendUnavailableError(RuntimeError):
+    """An explicitly requested backend cannot run the op here."""
+
+
+@dataclass(frozen=True)
+class RoutingDecision:
+    op: Op
+    backend: Fp8Backend
+    recipe: Fp8Recipe
+    device: DeviceProfile
+    requested: str
+    reason: str
+    passed_over: tuple[tuple[str, str], ...]
+    """(backend name, why it was not chosen) for every backend ranked above the chosen one."""
+
+    @property
+    def backend_name(self) -> str:
+        return self.backend.name
+
+    def explain(self) -> str:
+        lines = [f"{self.op} / {self.recipe.name} on {self.device.arch}: {self.backend.name} ({self.reason})"]
+        lines += [f"  passed over {name}: {why}" for name, why in self.passed_over]
+        return "\n".join(lines)
+
+
+def _check(backend: Fp8Backend, op: Op, recipe: str, device: DeviceProfile, k, n) -> str | None:
+    """None when ``backend`` can run the op here, else the reason it cannot."""
+    available = backend.availability(device)
+    if not available:
+        return available.reason
+    supported = backend.supports(op, recipe, device, k=k, n=n)
+    return None if supported else supported.reason
+
+
+def select_backend(
+    op: Op,
+    recipe: str = "rowwise",
+    device: DeviceProfile | str | None = None,
+    requested: str = "auto",
+    *,
+    k: int | None = None,
+    n: int | None = None,
+) -> RoutingDecision:
+    """Choose the backend for ``op`` ("linear" or "grouped_mm") with ``recipe`` on ``device``.
+
+    ``requested="auto"`` (overridden for a whole run by ``TITAN_PRIMUS_BACKEND``) takes the
+    highest-ranked backend that can run it: Primus-Turbo on MI300-class devices where it imports,
+    else TorchAO where the device has FP8 hardware, else the emulation. A backend requested by
+    name must be able to run it, or this raises :class:`BackendUnavailableError` with the reason.
+    ``k``/``n`` (contracted and output dims) let backends refuse shapes their kernels cannot take.
+    """
+    if op not in OPS:
+        raise ValueError(f"unknown op {op!r}; choose one of {', '.join(OPS)}")
+    check_recipe_name(recipe)
+    if requested == "auto":
+        requested = os.environ.get(BACKEND_ENV) or "auto"
+    return _select(op, recipe, resolve_device(device), requested, k, n)
+
+
+@cache
+def _select(op: Op, recipe: str, device: DeviceProfile, requested: str, k, n) -> RoutingDecision:
+    from .registry import backends, get_backend
+
+    if requested != "auto":
+        backend = get_backend(requested)
+        why_not = _check(backend, op, recipe, device, k, n)
+        if why_not is not None:
+            source = f" (from {BACKEND_ENV})" if os.environ.get(BACKEND_ENV) == requested else ""
+            raise BackendUnavailableError(
+                f"backend {requested!r}{source} cannot run {op} with recipe {recipe!r} on "
+                f"{device.describe()}: {why_not}"
+            )
+        return RoutingDecision(
+            op, backend, backend.recipe_for(recipe, device), device, requested, "requested by name", ()
+        )
+
+    ranked = sorted(backends().values(), key=lambda b: -b.rank(device))
+    # Backends that rank themselves 0 here never win, but the user still learns why.
+    not_here = tuple(
+        (b.name, f"not chosen automatically on {device.arch}: {b.availability(device).reason}")
+        for b in ranked
+        if b.rank(device) <= 0
+    )
+    passed_over: list[tuple[str, str]] = []
+    for backend in (b for b in ranked if b.rank(device) > 0):
+        why_not = _check(backend, op, recipe, device, k, n)
+        if why_not is None:
+            reason = "highest-ranked backend that runs it here" if passed_over else "preferred backend here"
+            return RoutingDecision(
+                op, backend, backend.recipe_for(recipe, device), device, "auto", reason,
+                tuple(passed_over) + not_here,
+            )
+        passed_over.append((backend.name, why_not))
+    reasons = "; ".join(f"{name}: {why}" for name, why in (*passed_over, *not_here))
+    raise BackendUnavailableError(f"no backend can run {op} with recipe {recipe!r} on {device.describe()}: {reasons}")
+
+
+def clear_cache() -> None:
+    _select.cache_clear()

@@ -1,0 +1,50 @@
+"""The scale math every backend shares: amax -> scale -> saturated cast, and back.
+
+scale = finfo(fp8).max / max(amax, 1e-12), computed in float64 and stored as float32 (as TorchAO
+does, so eager and compiled code agree); optionally floored to a power of two. Values are
+clamped to +-finfo(fp8).max before the cast because an out-of-range cast to e4m3fnuz gives NaN
+in eager PyTorch, while e4m3fn saturates.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .recipes import Fp8Recipe, OperandCast
+
+__all__ = ["AMAX_EPS", "amax_to_scale", "quantize", "dequantize", "fake_quantize"]
+
+AMAX_EPS = 1e-12
+
+
+def amax_to_scale(amax: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool) -> torch.Tensor:
+    scale = (torch.finfo(fp8_dtype).max / amax.to(torch.float64).clamp(min=AMAX_EPS)).to(torch.float32)
+    if pow2:
+        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    return scale
+
+
+def quantize(
+    x: torch.Tensor, fp8_dtype: torch.dtype, reduce_dim: int | None, pow2: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cast ``x`` to ``fp8_dtype``; ``reduce_dim=None`` is one scale for the tensor, else one scale
+    per slice, the amax taken over ``reduce_dim``. Returns (fp8 data, float32 scale)."""
+    magnitude = x.detach().abs()
+    amax = magnitude.amax() if reduce_dim is None else magnitude.amax(dim=reduce_dim, keepdim=True)
+    scale = amax_to_scale(amax, fp8_dtype, pow2)
+    fp8_max = torch.finfo(fp8_dtype).max
+    data = (x.to(torch.float32) * scale).clamp(-fp8_max, fp8_max).to(fp8_dtype)
+    return data, scale
+
+
+def dequantize(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return data.to(torch.float32) / scale
+
+
+def fake_quantize(x: torch.Tensor, cast: OperandCast, recipe: Fp8Recipe, contract_dim: int) -> torch.Tensor:
+    """``x`` as the GEMM sees it after the cast, in float32. ``contract_dim`` is the dimension of
+    ``x`` the GEMM reduces over: rowwise scales take their amax over it."""
+    if cast.fmt is None:
+        return x.to(torch.float32)
+    reduce_dim = contract_dim if cast.granularity == "rowwise" else None
+    return dequantize(*quantize(x, recipe.dtype(cast), reduce_dim, recipe.pow2_scales))
