@@ -8,12 +8,20 @@ Usage (from the repository root; arguments are exactly ``torchtitan.train``'s)::
         --dataloader.dataset_path examples/assets/corpus \\
         --training.steps 5 --training.seq_len 256 --training.local_batch_size 2
 
+Other stock debug configs: ``--module deepseek_v3 --config deepseek_v3_debugmodel``,
+``--module qwen3 --config qwen3_moe_debug`` (316M params, ~7 s/step). Add
+``--checkpoint.enable --checkpoint.interval 2 --dump_folder DIR`` for DCP
+checkpoints (a rerun with the same dump folder resumes from the latest
+``DIR/checkpoint/step-N``), ``--compile.enable`` for torch.compile (inductor,
+needs a C compiler), ``--debug.seed 42`` for a reproducible init.
+(The assets come from ``examples/make_assets.py``.)
+
 ``python examples/cpu_launch.py ...`` also works for one process: the launcher
 then sets the torchrun environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR,
 MASTER_PORT) itself. Use ``OMP_NUM_THREADS=1`` on a 2-core machine.
 
 Only the workarounds TorchTitan 0.3.0 needs on a machine without an
-accelerator are applied; each is explained where it is made. Apart from the
+accelerator are applied (the device is forced to CPU even if one exists); each is explained where it is made. Apart from the
 attention swap (FlexAttention -> causal SDPA) none changes the numerics.
 """
 
@@ -22,8 +30,6 @@ import resource
 import socket
 import sys
 import types
-
-import torch
 
 # (0) The debug configs' dataset/tokenizer are local files: never reach for the
 #     Hugging Face Hub (the machine may be offline).

@@ -15,9 +15,19 @@ from .routing import BackendUnavailableError, RoutingDecision, select_backend
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    # The TorchTitan adapter is imported only when asked for, so the core runs without TorchTitan.
+    if name == "Float8Converter":
+        from .torchtitan import Float8Converter
+
+        return Float8Converter
+    raise AttributeError(f"module 'titan_primus' has no attribute {name!r}")
+
 __all__ = [
     "BackendUnavailableError",
     "DeviceProfile",
+    "Float8Converter",
     "Fp8Backend",
     "Fp8InputError",
     "Fp8Recipe",

@@ -1,0 +1,72 @@
+"""TorchTitan 0.3 modules that run their GEMMs through a titan-primus backend.
+
+The backend and the recipe are fixed in the module's Config at conversion time; a module looks
+its backend up once at construction, so the forward pass does no routing. Parameter names,
+shapes and dtypes are those of the module replaced, so state dicts and checkpoints are
+unchanged and TorchTitan's name-keyed sharding applies as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torchtitan.models.common.linear import Linear
+from torchtitan.models.common.moe import GroupedExperts
+
+from ..recipes import Fp8Recipe
+from ..registry import get_backend
+
+__all__ = ["Fp8Linear", "fp8_experts_class"]
+
+
+class Fp8Linear(Linear):
+    """``Linear`` whose GEMMs run in FP8 on a titan-primus backend."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Linear.Config):
+        fp8_backend: str
+        """Registered backend name, chosen by the converter."""
+        fp8_recipe: Fp8Recipe
+        """The exact numerics (recipe, definition, FP8 formats) the backend runs."""
+
+    def __init__(self, config: Config):
+        super().__init__(config)
+        self.fp8_backend = get_backend(config.fp8_backend)
+        self.fp8_recipe = config.fp8_recipe
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.fp8_backend.linear(x.reshape(-1, self.in_features), self.weight, self.bias, self.fp8_recipe)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, fp8={self.fp8_backend.name}:{self.fp8_recipe.describe()}"
+
+
+_EXPERTS_CLASSES: dict[type, type] = {}
+
+
+def fp8_experts_class(parent_cls: type[GroupedExperts]) -> type[GroupedExperts]:
+    """A subclass of ``parent_cls`` (GroupedExperts or a subclass such as gpt-oss's) whose
+    ``_grouped_mm`` seam runs on a titan-primus backend. One class per parent, reused."""
+    if parent_cls in _EXPERTS_CLASSES:
+        return _EXPERTS_CLASSES[parent_cls]
+
+    class Fp8GroupedExperts(parent_cls):  # type: ignore[valid-type, misc]
+        @dataclass(kw_only=True, slots=True)
+        class Config(parent_cls.Config):  # type: ignore[misc, name-defined]
+            fp8_backend: str
+            fp8_recipe: Fp8Recipe
+
+        def __init__(self, config: Config):
+            super().__init__(config)
+            self.fp8_backend = get_backend(config.fp8_backend)
+            self.fp8_recipe = config.fp8_recipe
+
+        def _grouped_mm(self, *, A: torch.Tensor, B_t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+            return self.fp8_backend.grouped_mm(A, B_t, offs, self.fp8_recipe)
+
+    name = f"Fp8{parent_cls.__name__}"
+    Fp8GroupedExperts.__name__ = Fp8GroupedExperts.__qualname__ = name
+    _EXPERTS_CLASSES[parent_cls] = Fp8GroupedExperts
+    return Fp8GroupedExperts
