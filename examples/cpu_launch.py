@@ -92,7 +92,7 @@ _tt_utils.device_type, _tt_utils.device_module = "cpu", _cpu_module
 # follows from the patch above; nothing more is needed.
 
 from torchtitan.config import ConfigManager  # noqa: E402
-from torchtitan.config.override import derive, override  # noqa: E402
+from torchtitan.config.override import derive  # noqa: E402
 from torchtitan.models.common.attention import (  # noqa: E402
     FlexAttention,
     ScaledDotProductAttention,
@@ -101,26 +101,33 @@ from torchtitan.models.common.attention import (  # noqa: E402
 
 # (3) FlexAttention has no CPU backward (torch 2.14), and every language-model
 #     config in 0.3.0 uses it (get_attention_config("flex")). Swap each
-#     FlexAttention node for ScaledDotProductAttention(is_causal=True) through
-#     TorchTitan's own @override seam, which runs after converters and after
-#     sharding configs are attached (derive() keeps them). The trainer then
-#     builds no BlockMask (post_dataloading_process only does for Flex/Varlen).
+#     FlexAttention node for ScaledDotProductAttention(is_causal=True) in the
+#     parsed config tree; derive() keeps every shared field (sharding included).
+#     The trainer then builds no BlockMask (post_dataloading_process only does
+#     for Flex/Varlen). This is done on the tree rather than as an
+#     --override.imports entry so that it never conflicts with a user's override
+#     of an enclosing node (TorchTitan refuses nested overrides).
 #     NUMERICS CHANGE: plain causal attention over the packed sequence, so
 #     tokens can attend across document boundaries (document masking is lost).
-@override(target=FlexAttention.Config, description="CPU: FlexAttention -> causal SDPA")
 def flex_to_causal_sdpa(cfg: FlexAttention.Config) -> ScaledDotProductAttention.Config:
     return derive(cfg, ScaledDotProductAttention.Config)
 
 
-_OVERRIDE = f"{flex_to_causal_sdpa.__module__}.{flex_to_causal_sdpa.__name__}"
+def use_causal_sdpa(model_config) -> None:
+    for fqn, attention, parent, attr in list(model_config.traverse(FlexAttention.Config)):
+        if isinstance(parent, list):
+            parent[attr] = flex_to_causal_sdpa(attention)
+        else:
+            setattr(parent, attr, flex_to_causal_sdpa(attention))
+        print(f"[cpu_launch] {fqn}: FlexAttention -> causal SDPA (no FlexAttention backward on CPU)")
+
+
 _parse_args = ConfigManager.parse_args
 
 
 def _parse_args_cpu(self, args=None):
-    # Append after CLI parsing: a user's --override.imports replaces the list.
     config = _parse_args(self, args)
-    if _OVERRIDE not in config.override.imports:
-        config.override.imports.append(_OVERRIDE)
+    use_causal_sdpa(config.model_spec.model)
     return config
 
 
