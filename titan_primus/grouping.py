@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["group_lens", "group_bounds", "zero_trailing_rows"]
+__all__ = ["group_lens", "group_ids", "group_bounds", "zero_trailing_rows"]
 
 
 def group_lens(offs: torch.Tensor) -> torch.Tensor:
@@ -19,9 +19,14 @@ def group_lens(offs: torch.Tensor) -> torch.Tensor:
 
 
 def group_bounds(offs: torch.Tensor) -> list[tuple[int, int]]:
-    """(start, end) row range of each group, on the host. Synchronises with the device."""
+    """(start, end) row range of each group, on the host (synchronises; for references and reports)."""
     ends = offs.tolist()
     return list(zip([0, *ends[:-1]], ends))
+
+
+def group_ids(offs: torch.Tensor, rows: int) -> torch.Tensor:
+    """The group of each of ``rows`` rows; rows past ``offs[-1]`` get ``len(offs)``. No host sync."""
+    return torch.searchsorted(offs, torch.arange(rows, device=offs.device, dtype=offs.dtype), right=True)
 
 
 def zero_trailing_rows(t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch
 
 from .recipes import Fp8Recipe, OperandCast
 
-__all__ = ["AMAX_EPS", "amax_to_scale", "quantize", "dequantize", "fake_quantize"]
+__all__ = ["AMAX_EPS", "amax_to_scale", "quantize", "dequantize", "fake_quantize", "quantize_per_group"]
 
 AMAX_EPS = 1e-12
 
@@ -48,3 +48,18 @@ def fake_quantize(x: torch.Tensor, cast: OperandCast, recipe: Fp8Recipe, contrac
         return x.to(torch.float32)
     reduce_dim = contract_dim if cast.granularity == "rowwise" else None
     return dequantize(*quantize(x, recipe.dtype(cast), reduce_dim, recipe.pow2_scales))
+
+
+def quantize_per_group(
+    x: torch.Tensor, fp8_dtype: torch.dtype, group_ids: torch.Tensor, num_groups: int, pow2: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cast the rows of ``x`` [rows, C] with one scale per (group, column), the amax over that
+    group's rows (``group_ids`` gives each row's group; id ``num_groups`` means none). Returns
+    (fp8 data, scales [num_groups + 1, C]). No host sync, so it traces under torch.compile."""
+    magnitude = x.detach().abs().to(torch.float32)
+    index = group_ids.unsqueeze(-1).expand_as(magnitude)
+    amax = magnitude.new_zeros(num_groups + 1, x.shape[1]).scatter_reduce(0, index, magnitude, "amax")
+    scales = amax_to_scale(amax, fp8_dtype, pow2)
+    fp8_max = torch.finfo(fp8_dtype).max
+    data = (x.to(torch.float32) * scales[group_ids]).clamp(-fp8_max, fp8_max).to(fp8_dtype)
+    return data, scales

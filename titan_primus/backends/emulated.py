@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 
 from ..device import DeviceProfile
-from ..grouping import group_bounds
+from ..grouping import group_ids, zero_trailing_rows
 from ..recipes import Fp8Recipe, has_definition, make_recipe
-from ..scaling import fake_quantize
+from ..scaling import fake_quantize, quantize, quantize_per_group
 from .base import Fp8Backend, Op, Verdict
 
 __all__ = ["EmulatedBackend"]
@@ -58,59 +58,73 @@ class _EmulatedLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None
 
 
+_NO_SCALE = torch.ones(())
+
+
+def _operand(x: torch.Tensor, cast, recipe: Fp8Recipe, contract_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values as bfloat16, float32 scale to divide the GEMM result by). FP8 values are exact in
+    bfloat16, so a bfloat16 grouped GEMM on them followed by the scales is the FP8 GEMM."""
+    if cast.fmt is None:
+        return x.to(torch.bfloat16), _NO_SCALE.to(x.device)
+    reduce_dim = contract_dim if cast.granularity == "rowwise" else None
+    data, scale = quantize(x, recipe.dtype(cast), reduce_dim, recipe.pow2_scales)
+    return data.to(torch.bfloat16), scale
+
+
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    # torch._grouped_mm takes bfloat16 only (CPU and its compile-time meta kernel alike).
+    return torch._grouped_mm(a, b, offs=offs).to(torch.float32)
+
+
+def _per_row(expert_scale: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """An [E, 1, C] or [E, C, 1] per-expert scale, gathered for each row by its expert; rows past
+    the last group borrow the last expert's (they are zeroed anyway)."""
+    if expert_scale.dim() == 0:
+        return expert_scale
+    return expert_scale.reshape(expert_scale.shape[0], -1)[ids.clamp(max=expert_scale.shape[0] - 1)]
+
+
 class _EmulatedGroupedMM(torch.autograd.Function):
+    """Group boundaries never leave the device (no host sync), so it compiles fullgraph."""
+
     @staticmethod
     def forward(ctx, A, B_t, offs, recipe: Fp8Recipe):
-        bounds = group_bounds(offs)
-        end = bounds[-1][1]
-        ctx.save_for_backward(A, B_t)
-        ctx.recipe, ctx.bounds = recipe, bounds
+        A = zero_trailing_rows(A, offs)  # trailing rows must not enter tensorwise or column amaxes
+        ids = group_ids(offs, A.shape[0])
         casts = recipe.output
-        out = A.new_zeros(A.shape[0], B_t.shape[2], dtype=torch.float32)
-        if end > 0:
-            a = fake_quantize(A[:end], casts.a, recipe, contract_dim=1)
-            b = fake_quantize(B_t, casts.b, recipe, contract_dim=1)  # rowwise: per (expert, n) over K
-            for g, (s, e) in enumerate(bounds):
-                if e > s:
-                    out[s:e] = a[s:e] @ b[g]
-        return out.to(A.dtype)
+        a, a_scale = _operand(A, casts.a, recipe, contract_dim=1)  # rowwise: per row over K
+        b, b_scale = _operand(B_t, casts.b, recipe, contract_dim=1)  # rowwise: per (expert, n) over K
+        out = _grouped_mm(a, b, offs) / a_scale / _per_row(b_scale, ids)
+        ctx.save_for_backward(A, B_t, offs, ids)
+        ctx.recipe = recipe
+        return zero_trailing_rows(out, offs).to(A.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
-        A, B_t = ctx.saved_tensors
-        recipe, bounds = ctx.recipe, ctx.bounds
-        end = bounds[-1][1]
-        A = _backward_source(A, recipe.output.a, recipe, 1)
-        B_t = _backward_source(B_t, recipe.output.b, recipe, 1)
+        A, B_t, offs, ids = ctx.saved_tensors
+        recipe = ctx.recipe
+        grad_out = zero_trailing_rows(grad_out, offs)
+        A_src = _backward_source(A, recipe.output.a, recipe, 1)
+        B_src = _backward_source(B_t, recipe.output.b, recipe, 1)
         grad_A = grad_B = None
         if ctx.needs_input_grad[0]:
-            grad_A = torch.zeros(A.shape, dtype=torch.float32, device=A.device)
-            if end > 0:
-                c = recipe.grad_input  # [rows, N] @ [N, K] per group: contract over N
-                g = fake_quantize(grad_out[:end], c.a, recipe, contract_dim=1)
-                b = fake_quantize(B_t, c.b, recipe, contract_dim=2)
-                for i, (s, e) in enumerate(bounds):
-                    if e > s:
-                        grad_A[s:e] = g[s:e] @ b[i].t()
-            grad_A = grad_A.to(A.dtype)
+            c = recipe.grad_input  # [rows, N] @ [N, K] per group: contract over N
+            g, g_scale = _operand(grad_out, c.a, recipe, contract_dim=1)
+            b, b_scale = _operand(B_src, c.b, recipe, contract_dim=2)  # rowwise: per (expert, k) over N
+            grad_A = _grouped_mm(g, b.transpose(-2, -1), offs) / g_scale / _per_row(b_scale, ids)
+            grad_A = zero_trailing_rows(grad_A, offs).to(A.dtype)
         if ctx.needs_input_grad[1]:
-            grad_B = torch.zeros(B_t.shape, dtype=torch.float32, device=B_t.device)
             c = recipe.grad_weight  # [K, rows] @ [rows, N] per group: contract over the group's rows
-            per_group = c.a.granularity == "rowwise" and recipe.grouped_wgrad_per_group
-            if end > 0 and not per_group:
-                # Scales over all grouped rows at once (or no cast): cast once, outside the loop.
-                g_all = fake_quantize(grad_out[:end], c.a, recipe, contract_dim=0)
-                a_all = fake_quantize(A[:end], c.b, recipe, contract_dim=0)
-            for i, (s, e) in enumerate(bounds):
-                if e <= s:
-                    continue
-                if per_group:
-                    g_i = fake_quantize(grad_out[s:e], c.a, recipe, contract_dim=0)
-                    a_i = fake_quantize(A[s:e], c.b, recipe, contract_dim=0)
-                else:
-                    g_i, a_i = g_all[s:e], a_all[s:e]
-                grad_B[i] = a_i.t() @ g_i
-            grad_B = grad_B.to(B_t.dtype)
+            if c.a.granularity == "rowwise" and recipe.grouped_wgrad_per_group:
+                g, g_scale = quantize_per_group(grad_out, recipe.dtype(c.a), ids, len(offs), recipe.pow2_scales)
+                a, a_scale = quantize_per_group(A_src, recipe.dtype(c.b), ids, len(offs), recipe.pow2_scales)
+                g, a = g.to(torch.bfloat16), a.to(torch.bfloat16)
+                g_scale, a_scale = g_scale[:-1].unsqueeze(1), a_scale[:-1].unsqueeze(2)  # [E,1,N], [E,K,1]
+            else:  # one scale per tensor, or per column over all grouped rows at once
+                g, g_scale = _operand(grad_out, c.a, recipe, contract_dim=0)
+                a, a_scale = _operand(A_src, c.b, recipe, contract_dim=0)
+                a_scale = a_scale.t() if a_scale.dim() else a_scale  # [1, K] -> [K, 1]
+            grad_B = (_grouped_mm(a.t(), g, offs) / a_scale / g_scale).to(B_t.dtype)
         return grad_A, grad_B, None, None
 
 

@@ -19,6 +19,7 @@ Recipe mapping (titan-primus name -> ``Float8QuantConfig``):
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 from dataclasses import dataclass
@@ -145,23 +146,134 @@ class PrimusTurboBackend(Fp8Backend):
         return api
 
     def linear(self, x, weight, bias, recipe):
-        api = self._loaded()
-        out = api.gemm_fp8(x, weight, trans_a=False, trans_b=True, out_dtype=x.dtype, config=api.configs[recipe.name])
+        if torch.compiler.is_compiling():
+            out = torch.ops.titan_primus.primus_turbo_linear(x, weight, recipe.name)
+        else:  # eager: Primus-Turbo's own autograd, no recomputation
+            out = _gemm(self._loaded(), x, weight, recipe.name)
         # Bias stays out of the FP8 GEMM: added in the activations' precision.
         return out if bias is None else out + bias.to(out.dtype)
 
     def grouped_mm(self, A, B_t, offs, recipe):
-        api = self._loaded()
-        # Before v0.3.1 the output dtype follows A, and A and B must be bf16/fp16.
-        extra = {"out_dtype": torch.bfloat16} if api.v031_or_later else {}
-        # Its output is torch.empty and rows past sum(group_lens) are never written (upstream
-        # issue #397): mask them in the input (so their gradient is dropped) and in the output.
-        out = api.grouped_gemm_fp8(
-            zero_trailing_rows(A, offs).to(torch.bfloat16),
-            B_t.transpose(-2, -1).to(torch.bfloat16).contiguous(),  # [E, N, K], as trans_b=True expects
-            group_lens(offs),
-            trans_b=True,
-            config=api.configs[recipe.name],
-            **extra,
-        )
+        # Its output is torch.empty and rows past sum(group_lens) are never written before v0.4
+        # (upstream issue #397): mask them in the input (so their gradient is dropped and they
+        # stay out of every amax) and in the output.
+        A = zero_trailing_rows(A, offs)
+        if torch.compiler.is_compiling():
+            out = torch.ops.titan_primus.primus_turbo_grouped_mm(A, B_t, offs, recipe.name)
+        else:
+            out = _grouped_mm(self._loaded(), A, B_t, offs, recipe.name)
         return zero_trailing_rows(out, offs)
+
+
+def _gemm(api: _TurboApi, x: torch.Tensor, weight: torch.Tensor, recipe: str) -> torch.Tensor:
+    return api.gemm_fp8(x, weight, trans_a=False, trans_b=True, out_dtype=x.dtype, config=api.configs[recipe])
+
+
+def _grouped_mm(api: _TurboApi, A: torch.Tensor, B_t: torch.Tensor, offs: torch.Tensor, recipe: str) -> torch.Tensor:
+    # Before v0.3.1 the output dtype follows A, and A and B must be bf16/fp16.
+    extra = {"out_dtype": torch.bfloat16} if api.v031_or_later else {}
+    return api.grouped_gemm_fp8(
+        A.to(torch.bfloat16),
+        B_t.transpose(-2, -1).to(torch.bfloat16).contiguous(),  # [E, N, K], as trans_b=True expects
+        group_lens(offs),
+        trans_b=True,
+        config=api.configs[recipe],
+        **extra,
+    )
+
+
+# Under torch.compile the Primus-Turbo ops are opaque custom ops. Since v0.3.1 Primus-Turbo
+# decorates them torch._dynamo.disable, which is a hard error inside a fullgraph-compiled
+# TorchTitan block; a custom op with a fake implementation is traced as one node instead, and
+# the rest of the block still compiles. Their backward re-runs the forward under autograd
+# (one extra FP8 GEMM per op in backward): Primus-Turbo's backward is reachable only through
+# the autograd graph of its forward call. Eager mode calls Primus-Turbo directly.
+
+
+def _api() -> _TurboApi:
+    from ..registry import get_backend
+
+    return get_backend(PrimusTurboBackend.name)._loaded()
+
+
+@contextlib.contextmanager
+def _autograd_inside_custom_op():
+    """A custom op's kernel runs with autograd dispatch excluded; re-include it so the backward
+    can differentiate through Primus-Turbo's own autograd Function."""
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    for key in ("AutogradFunctionality", "AutogradOther", "AutogradCPU", "AutogradCUDA", "ADInplaceOrView"):
+        exclude = exclude.remove(getattr(torch._C.DispatchKey, key))
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude), torch.enable_grad():
+        yield
+
+
+def _vjp(fn, grad: torch.Tensor, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    with _autograd_inside_custom_op():
+        leaves = [t.detach().requires_grad_() for t in inputs]
+        return torch.autograd.grad(fn(*leaves), leaves, grad)
+
+
+@torch.library.custom_op("titan_primus::primus_turbo_linear", mutates_args=())
+def _linear_op(x: torch.Tensor, weight: torch.Tensor, recipe: str) -> torch.Tensor:
+    return _gemm(_api(), x, weight, recipe)
+
+
+@_linear_op.register_fake
+def _(x, weight, recipe):
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+@torch.library.custom_op("titan_primus::primus_turbo_linear_backward", mutates_args=())
+def _linear_backward_op(
+    grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, recipe: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    api = _api()
+    return _vjp(lambda x, w: _gemm(api, x, w, recipe), grad, x, weight)
+
+
+@_linear_backward_op.register_fake
+def _(grad, x, weight, recipe):
+    return torch.empty_like(x), torch.empty_like(weight)
+
+
+@torch.library.custom_op("titan_primus::primus_turbo_grouped_mm", mutates_args=())
+def _grouped_op(A: torch.Tensor, B_t: torch.Tensor, offs: torch.Tensor, recipe: str) -> torch.Tensor:
+    return _grouped_mm(_api(), A, B_t, offs, recipe)
+
+
+@_grouped_op.register_fake
+def _(A, B_t, offs, recipe):
+    return A.new_empty((A.shape[0], B_t.shape[2]), dtype=torch.bfloat16)
+
+
+@torch.library.custom_op("titan_primus::primus_turbo_grouped_mm_backward", mutates_args=())
+def _grouped_backward_op(
+    grad: torch.Tensor, A: torch.Tensor, B_t: torch.Tensor, offs: torch.Tensor, recipe: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    api = _api()
+    return _vjp(lambda a, b: _grouped_mm(api, a, b, offs, recipe), grad, A, B_t)
+
+
+@_grouped_backward_op.register_fake
+def _(grad, A, B_t, offs, recipe):
+    return torch.empty_like(A), torch.empty_like(B_t)
+
+
+def _save_inputs(ctx, inputs, output):
+    *tensors, ctx.recipe = inputs
+    ctx.save_for_backward(*tensors)
+
+
+def _linear_backward(ctx, grad):
+    x, weight = ctx.saved_tensors
+    return (*_linear_backward_op(grad, x, weight, ctx.recipe), None)
+
+
+def _grouped_backward(ctx, grad):
+    A, B_t, offs = ctx.saved_tensors
+    grad_A, grad_B = _grouped_backward_op(grad, A, B_t, offs, ctx.recipe)
+    return grad_A, grad_B, None, None
+
+
+_linear_op.register_autograd(_linear_backward, setup_context=_save_inputs)
+_grouped_op.register_autograd(_grouped_backward, setup_context=_save_inputs)

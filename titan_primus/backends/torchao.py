@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from functools import cache, cached_property
+from functools import cached_property
 
 import torch
 
@@ -105,7 +105,20 @@ class TorchAOBackend(Fp8Backend):
         return Verdict.yes()
 
     def recipe_for(self, recipe: str, device: DeviceProfile) -> Fp8Recipe:
-        return make_recipe(recipe, "torchao", device)
+        resolved = make_recipe(recipe, "torchao", device)
+        self._configs(resolved)  # built at routing time, so compiled code only looks them up
+        return resolved
+
+    @cached_property
+    def _linear_configs(self) -> dict:
+        return {}
+
+    def _configs(self, recipe: Fp8Recipe):
+        """TorchAO's (Float8LinearConfig, LinearMMConfig) for ``recipe``, built once."""
+        key = (recipe.name, recipe.e4m3, recipe.e5m2)
+        if key not in self._linear_configs:
+            self._linear_configs[key] = _linear_configs(recipe)
+        return self._linear_configs[key]
 
     def accepts(self, recipe: Fp8Recipe) -> Verdict:
         if recipe.definition != "torchao":
@@ -115,12 +128,14 @@ class TorchAOBackend(Fp8Backend):
     def linear(self, x, weight, bias, recipe):
         from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
 
-        config, mm_config = _linear_configs(recipe)
+        config, mm_config = self._configs(recipe)
 
         def run(x, weight):
             return matmul_with_hp_or_float8_args.apply(x, weight.t(), mm_config, config)
 
-        out = _WithoutOneDNN.apply(run, x, weight) if x.device.type == "cpu" else run(x, weight)
+        # Compiled code never reaches oneDNN's slow path: inductor lowers the FP8 GEMMs itself.
+        eager_cpu = x.device.type == "cpu" and not torch.compiler.is_compiling()
+        out = _WithoutOneDNN.apply(run, x, weight) if eager_cpu else run(x, weight)
         return out if bias is None else out + bias.to(out.dtype)
 
     @cached_property
@@ -138,9 +153,8 @@ class TorchAOBackend(Fp8Backend):
         return zero_trailing_rows(out, offs)
 
 
-@cache
 def _linear_configs(recipe: Fp8Recipe):
-    """TorchAO's Float8LinearConfig and LinearMMConfig for ``recipe``, built once per recipe."""
+    """TorchAO's Float8LinearConfig and LinearMMConfig for ``recipe``."""
     from torchao.float8.config import Float8LinearConfig
     from torchao.float8.float8_training_tensor import LinearMMConfig, ScaledMMConfig
 
