@@ -1,8 +1,12 @@
-"""Pure-PyTorch FP8 emulation: quantize, dequantize, matmul in float32, cast out.
+"""Pure-PyTorch FP8 emulation: quantize with the real FP8 dtypes, then run the GEMM on the
+quantized values and apply the scales, as FP8 kernels do.
 
-Runs on any device and is the numerics oracle for the other backends: it reproduces either
-upstream definition of a recipe exactly (scale math, formats, power-of-2 rounding, which operand
-is cast how), only the matmul itself runs in float32 instead of FP8 tensor cores.
+Runs on any device and is the numerics oracle for the other backends: it reproduces every
+upstream definition of a recipe (scale math, formats, power-of-2 rounding, which operand is cast
+how). Linears dequantize and multiply in float32. Grouped GEMMs multiply the FP8 values held in
+bfloat16 (exact) with ``torch._grouped_mm`` and divide by the scales after, without a host sync,
+so they compile fullgraph; the bfloat16 rounding of the unscaled result is exact where scales
+are powers of two (TorchAO) and within one bfloat16 ulp otherwise (Primus-Turbo).
 """
 
 from __future__ import annotations
