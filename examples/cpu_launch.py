@@ -91,6 +91,23 @@ _tt_utils.device_type, _tt_utils.device_module = "cpu", _cpu_module
 # torch.distributed.Backend.default_device_backend_map, so "cpu" -> "gloo"
 # follows from the patch above; nothing more is needed.
 
+# (4) FSDP2 reduce-scatters gradients with ReduceOp.PREMUL_SUM(1 / factor), which gloo lacks;
+#     TorchTitan sets factor 1 (it scales gradients itself), so a plain SUM is the same math.
+import torchtitan.distributed.fsdp as _tt_fsdp  # noqa: E402
+from torch.distributed.fsdp import FSDPModule  # noqa: E402
+
+_disable_gradient_division = _tt_fsdp.disable_fsdp_gradient_division
+
+
+def _disable_gradient_division_gloo(model) -> None:
+    _disable_gradient_division(model)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)
+
+
+_tt_fsdp.disable_fsdp_gradient_division = _disable_gradient_division_gloo
+
 from torchtitan.config import ConfigManager  # noqa: E402
 from torchtitan.config.override import derive  # noqa: E402
 from torchtitan.models.common.attention import (  # noqa: E402

@@ -88,6 +88,16 @@ class Fp8Recipe:
     """A grouped GEMM's rowwise wgrad scales are taken per group (TorchAO), or over all rows of all
     groups at once (Primus-Turbo)."""
 
+    @property
+    def grouped_scales_per_expert(self) -> bool:
+        """Every scale of a grouped GEMM covers one expert's data only (rowwise casts, per-group
+        wgrad), so expert parallelism, where a rank holds some experts and their tokens,
+        computes the same scales as one device does."""
+        casts = [c for gemm in (self.output, self.grad_input, self.grad_weight) for c in (gemm.a, gemm.b)]
+        if any(c.fmt is not None and c.granularity != "rowwise" for c in casts):
+            return False
+        return self.grouped_wgrad_per_group or all(c.fmt is None for c in (self.grad_weight.a, self.grad_weight.b))
+
     def dtype(self, cast: OperandCast) -> torch.dtype:
         return self.e4m3 if cast.fmt == "e4m3" else self.e5m2
 

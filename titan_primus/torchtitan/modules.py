@@ -17,7 +17,32 @@ from torchtitan.models.common.moe import GroupedExperts
 from ..recipes import Fp8Recipe
 from ..registry import get_backend
 
-__all__ = ["Fp8Linear", "fp8_experts_class"]
+__all__ = ["Fp8Linear", "fp8_experts_class", "check_parallelism"]
+
+
+def check_parallelism(module: torch.nn.Module, parallel_dims, recipe: Fp8Recipe, *, experts: bool) -> None:
+    """Refuse, before the first step, the parallelisms under which this module's FP8 scales
+    would be computed over part of a tensor and silently differ from a single device's.
+
+    FSDP is fine: it all-gathers the full weight before each forward. Tensor parallelism hands
+    each rank a shard (local tensors), so amaxes would cover shards only. Expert parallelism
+    is fine when every grouped-GEMM scale covers a single expert's data.
+    """
+    name = type(module).__name__
+    if parallel_dims.tp > 1:
+        raise ValueError(
+            f"titan-primus: tensor parallelism (degree {parallel_dims.tp}) is not supported with FP8 "
+            f"layers yet: each rank's {name} would compute FP8 scales over its shard only, so the "
+            f"numerics would differ from one device. Use FSDP (data_parallel_shard_degree) with the "
+            f"converter, or keep TP-sharded layers in high precision with filter_fqns."
+        )
+    if experts and parallel_dims.ep > 1 and not recipe.grouped_scales_per_expert:
+        raise ValueError(
+            f"titan-primus: expert parallelism (degree {parallel_dims.ep}) with recipe "
+            f"{recipe.describe()} is not supported: its grouped-GEMM scales span all experts, and "
+            f"each rank holds only some of them. Use recipe 'rowwise' (TorchAO definition) or "
+            f"'rowwise_with_gw_hp', or turn grouped_experts off."
+        )
 
 
 class Fp8Linear(Linear):
@@ -35,9 +60,14 @@ class Fp8Linear(Linear):
         self.fp8_backend = get_backend(config.fp8_backend)
         self.fp8_recipe = config.fp8_recipe
 
+    def parallelize(self, parallel_dims) -> None:
+        check_parallelism(self, parallel_dims, self.fp8_recipe, experts=False)
+        super().parallelize(parallel_dims)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.fp8_backend.linear(x.reshape(-1, self.in_features), self.weight, self.bias, self.fp8_recipe)
-        return out.reshape(*x.shape[:-1], self.out_features)
+        # Local shapes: under tensor parallelism x and the weight are this rank's shards.
+        out = self.fp8_backend.linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias, self.fp8_recipe)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, fp8={self.fp8_backend.name}:{self.fp8_recipe.describe()}"
@@ -62,6 +92,10 @@ def fp8_experts_class(parent_cls: type[GroupedExperts]) -> type[GroupedExperts]:
             super().__init__(config)
             self.fp8_backend = get_backend(config.fp8_backend)
             self.fp8_recipe = config.fp8_recipe
+
+        def parallelize(self, parallel_dims) -> None:
+            check_parallelism(self, parallel_dims, self.fp8_recipe, experts=True)
+            super().parallelize(parallel_dims)
 
         def _grouped_mm(self, *, A: torch.Tensor, B_t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
             return self.fp8_backend.grouped_mm(A, B_t, offs, self.fp8_recipe)

@@ -1,0 +1,263 @@
+"""The titan-primus command line on a CPU: doctor, parity, bench and report, with small case sets.
+
+The Primus-Turbo rows here run against the TEST DOUBLE (tests/doubles/): they show the parity
+machinery compares a third backend correctly, not that real Primus-Turbo kernels are accurate.
+"""
+
+import io
+import json
+import subprocess
+import sys
+
+import pytest
+from doubles import primus_turbo_double
+
+import titan_primus as tp
+from titan_primus import bench, cli, parity
+from titan_primus.backends.emulated import EmulatedBackend
+from titan_primus.hookspec import hookimpl
+from titan_primus.report import SCHEMA_VERSION, load_document
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = cli.main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def strict_json(path) -> dict:
+    """The file parses as strict JSON: no NaN or Infinity literals."""
+    def refuse(literal):
+        raise AssertionError(f"{path} contains the non-JSON literal {literal}")
+
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+class WrongBackend(EmulatedBackend):
+    """Ranks itself above every backend, then returns 1.5x the right answer (and so 1.5x gradients)."""
+
+    name = "wrong"
+
+    def rank(self, device):
+        return 1000
+
+    def linear(self, x, weight, bias, recipe):
+        return super().linear(x, weight, bias, recipe) * 1.5
+
+    def grouped_mm(self, A, B_t, offs, recipe):
+        return super().grouped_mm(A, B_t, offs, recipe) * 1.5
+
+
+class CrashingBackend(EmulatedBackend):
+    name = "crashing"
+
+    def linear(self, x, weight, bias, recipe):
+        raise RuntimeError("kernel launch failed")
+
+    grouped_mm = linear
+
+
+class Plugin:
+    def __init__(self, backend_class):
+        self.backend_class = backend_class
+
+    @hookimpl
+    def titan_primus_register_backends(self):
+        return [self.backend_class()]
+
+
+@pytest.fixture
+def plugin_backend(request):
+    plugin = Plugin(request.param)
+    tp.registry.register(plugin, name=f"test-plugin-{request.param.name}")
+    yield request.param.name
+    tp.registry.unregister(plugin)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """Quick parity runs on the CPU and gfx942 profiles and a quick bench: results files, and the
+    bench's console output under "bench_out"."""
+    folder = tmp_path_factory.mktemp("results")
+    paths = {name: folder / f"{name}.json" for name in ("parity_cpu", "parity_gfx942", "bench_cpu")}
+    tp.registry.refresh()
+    assert parity.command(None, True, [], str(paths["parity_cpu"]), io.StringIO(), io.StringIO()) == 0
+    assert parity.command("gfx942", True, [], str(paths["parity_gfx942"]), io.StringIO(), io.StringIO()) == 0
+    bench_out = io.StringIO()
+    assert bench.command(["rowwise"], True, False, None, None, str(paths["bench_cpu"]), bench_out) == 0
+    return {**paths, "bench_out": bench_out.getvalue()}
+
+
+def test_console_script_lists_the_subcommands():
+    done = subprocess.run([sys.executable, "-m", "titan_primus.cli", "--help"], capture_output=True, text=True, check=True)
+    for command in ("doctor", "parity", "bench", "report"):
+        assert command in done.stdout
+
+
+def test_doctor_reports_versions_device_backends_and_routing(capsys):
+    code, out, _ = run_cli(capsys, "doctor")
+    assert code == 0
+    for expected in ("torch", "torchtitan", "torchao", "primus-turbo", "device: CPU", "routing on cpu"):
+        assert expected in out
+    for backend in ("primus_turbo", "torchao", "emulated"):
+        assert f"| {backend}" in out
+
+
+def test_doctor_reports_a_missing_torchtitan_in_one_line(capsys, monkeypatch):
+    from importlib import metadata
+
+    real = metadata.version
+
+    def version(name):
+        if name == "torchtitan":
+            raise metadata.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(metadata, "version", version)
+    code, out, _ = run_cli(capsys, "doctor")
+    assert code == 0
+    (line,) = [line for line in out.splitlines() if line.startswith("| torchtitan")]
+    assert "not installed" in line
+
+
+@pytest.mark.parametrize("plugin_backend", [WrongBackend], indirect=True)
+def test_doctor_json_shows_plugins_and_a_named_profile(capsys, plugin_backend):
+    code, out, _ = run_cli(capsys, "doctor", "--json", "--device", "gfx942")
+    assert code == 0
+    diagnosis = json.loads(out)
+    assert diagnosis["environment"]["device"]["arch"] == "gfx942"
+    assert diagnosis["environment"]["device"]["e4m3"] == "float8_e4m3fnuz"
+    names = [b["name"] for b in diagnosis["backends"]]
+    assert plugin_backend in names and "primus_turbo" in names
+    turbo = next(b for b in diagnosis["backends"] if b["name"] == "primus_turbo")
+    assert not turbo["available"] and "not importable" in turbo["reason"]
+    assert len(diagnosis["routing"]) == len(tp.RECIPE_NAMES) * 2
+    assert {r["backend"] for r in diagnosis["routing"]} == {plugin_backend}
+
+
+def test_parity_quick_passes_on_cpu_and_writes_the_schema(results):
+    doc = strict_json(results["parity_cpu"])
+    assert load_document(str(results["parity_cpu"])) == doc
+    assert doc["schema_version"] == SCHEMA_VERSION and doc["kind"] == "parity"
+    assert {"date", "versions", "device"} <= set(doc["environment"])
+    assert doc["summary"]["ok"] and doc["summary"]["fail"] == doc["summary"]["error"] == 0
+    rows = doc["results"]
+    assert {r["op"] for r in rows} == {"linear", "grouped_mm"}
+    assert {r["recipe"] for r in rows} == set(tp.RECIPE_NAMES)
+    for row in rows:
+        if row["status"] == "skipped":
+            assert row["reason"], row
+        else:
+            assert row["status"] == "pass" and len([c for c in row["checks"] if c["against"] == "fp32"]) == 3
+    turbo = [r for r in rows if r["backend"] == "primus_turbo"]
+    assert turbo and all(r["status"] == "skipped" and ("MI300" in r["reason"] or "fnuz" in r["reason"]) for r in turbo)
+    # TorchAO's linear is compared with the emulation of the same (torchao) definition.
+    ao = [r for r in rows if r["backend"] == "torchao" and r["op"] == "linear" and r["status"] == "pass"]
+    assert ao and all(any(c["against"] == "emulated" and c["threshold_db"] == 40 for c in r["checks"]) for r in ao)
+    # The fnuz-range case runs under gfx942 (this CPU is not FNUZ), emulation only.
+    fnuz = [r for r in rows if r["case"] == "fnuz_range" and r["status"] != "skipped"]
+    assert fnuz and {(r["device"], r["backend"]) for r in fnuz} == {("gfx942", "emulated")}
+
+
+def test_parity_on_the_gfx942_profile_compares_differently_defined_recipes_with_fp32_only(results):
+    rows = strict_json(results["parity_gfx942"])["results"]
+    rowwise = [r for r in rows if r["op"] == "linear" and r["recipe"] == "rowwise" and r["case"] == "m255"
+               and r["status"] == "pass"]
+    assert {(r["backend"], r["definition"]) for r in rowwise} == {
+        ("emulated", "primus_turbo"), ("emulated", "torchao"), ("torchao", "torchao")}
+    torchao = next(r for r in rowwise if r["backend"] == "torchao")
+    assert "emulated (primus_turbo)" in torchao["differs_from"]
+    assert {c["against"] for c in torchao["checks"]} == {"fp32", "emulated"}
+    # TorchAO's grouped kernels cannot run on this CPU under the named profile: skipped, with the error.
+    grouped = next(r for r in rows if r["backend"] == "torchao" and r["op"] == "grouped_mm" and r["recipe"] == "rowwise")
+    assert grouped["status"] == "skipped" and "named profile gfx942" in grouped["reason"]
+
+
+def test_parity_with_the_primus_turbo_double_as_a_third_backend(capsys, monkeypatch, tmp_path):
+    """Double-backed: shows Primus-Turbo rows are checked against the emulation of its definition."""
+    primus_turbo_double.install(monkeypatch, version="v0.4.0", arch="gfx942")
+    tp.registry.refresh()
+    path = tmp_path / "parity.json"
+    code, out, _ = run_cli(capsys, "parity", "--quick", "--device", "gfx942", "--require", "primus_turbo",
+                           "--json", str(path))
+    assert code == 0, out
+    turbo = [r for r in strict_json(path)["results"] if r["backend"] == "primus_turbo"]
+    ran = [r for r in turbo if r["status"] == "pass"]
+    assert {r["recipe"] for r in ran} == {"tensorwise", "rowwise"}
+    for row in ran:
+        same = [c for c in row["checks"] if c["against"] == "emulated"]
+        assert row["definition"] == "primus_turbo" and len(same) == 3 and all(c["passed"] for c in same)
+    gw_hp = [r for r in turbo if r["recipe"] == "rowwise_with_gw_hp"]
+    assert gw_hp and all(r["status"] == "skipped" and "no 'rowwise_with_gw_hp' recipe" in r["reason"] for r in gw_hp)
+
+
+@pytest.mark.parametrize("plugin_backend", [WrongBackend, CrashingBackend], indirect=True)
+def test_parity_fails_when_a_backend_is_wrong_or_crashes(capsys, plugin_backend, tmp_path):
+    path = tmp_path / "parity.json"
+    code, out, _ = run_cli(capsys, "parity", "--quick", "--json", str(path))
+    assert code == 1
+    assert "failures:" in out
+    rows = [r for r in strict_json(path)["results"] if r["backend"] == plugin_backend and r["status"] != "skipped"]
+    assert rows and all(r["status"] in ("fail", "error") and r["reason"] for r in rows)
+    if plugin_backend == "wrong":  # 1.5x the answer: ~6 dB against fp32 and against the emulation
+        assert all(not c["passed"] for r in rows for c in r["checks"])
+    else:
+        assert all("kernel launch failed" in r["reason"] for r in rows)
+
+
+@pytest.mark.parametrize("required, expected", [("primus_turbo", "unavailable on cpu"),
+                                                ("no_such_backend", "not a registered backend")])
+def test_parity_fails_when_a_required_backend_does_not_run(capsys, required, expected):
+    code, out, _ = run_cli(capsys, "parity", "--quick", "--require", required)
+    assert code == 1
+    assert "required backends that did not run" in out and expected in out
+
+
+def test_bench_quick_on_cpu_says_what_cpu_figures_mean(results):
+    assert "CPU figures are not FP8 performance" in results["bench_out"]
+    doc = strict_json(results["bench_cpu"])
+    assert doc["kind"] == "bench" and doc["schema_version"] == SCHEMA_VERSION
+    measured = [r for r in doc["results"] if r["status"] == "ok"]
+    assert {(r["op"], r["backend"]) for r in measured} >= {
+        ("linear", "bf16"), ("linear", "emulated"), ("linear", "torchao"), ("grouped_mm", "bf16"), ("grouped_mm", "emulated")}
+    for row in measured:  # shapes of the figures, never their values: timings are not asserted
+        assert row["ms"] > 0 and row["tflops"] > 0 and row["fraction_of_peak"] is None
+        assert (row["speedup_vs_bf16"] is None) == (row["backend"] == "bf16")
+    assert all(r["reason"] for r in doc["results"] if r["status"] == "skipped")
+
+
+def test_peaks_are_found_by_marketing_name():
+    assert bench.peak_for("AMD Instinct MI300X")[1].fp8 == pytest.approx(2614.9)
+    assert bench.peak_for("NVIDIA H100 80GB HBM3")[0] == "H100"
+    assert bench.peak_for("CPU") is None
+
+
+def test_report_renders_files_side_by_side_with_a_png(capsys, results, tmp_path):
+    png = tmp_path / "sqnr.png"
+    files = [str(results[name]) for name in ("parity_cpu", "parity_gfx942", "bench_cpu")]
+    code, out, _ = run_cli(capsys, "report", *files, "--png", str(png))
+    assert code == 0
+    header = next(line for line in out.splitlines() if line.startswith("| op ") and "recipe" in line)
+    assert "parity_cpu.json (cpu)" in header and "parity_gfx942.json (gfx942)" in header
+    assert "## Bench" in out and "bench_cpu.json (cpu)" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_refuses_bad_files_in_one_line(capsys, tmp_path):
+    bad_json = tmp_path / "bad.json"
+    bad_json.write_text("{not json")
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"schema_version": 0, "kind": "parity", "environment": {}, "settings": {},
+                               "results": [], "summary": {}}))
+    for path, expected in ((tmp_path / "missing.json", "cannot read"), (bad_json, "not valid JSON"),
+                           (old, "schema_version 0")):
+        code, out, err = run_cli(capsys, "report", str(path))
+        assert code == 2 and out == ""
+        assert err.count("\n") == 1 and err.startswith("titan-primus report: error:") and expected in err
+
+
+def test_an_unknown_device_profile_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["parity", "--device", "gfx999"])
+    assert exit_info.value.code == 2
+    assert "invalid choice: 'gfx999'" in capsys.readouterr().err

@@ -1,0 +1,286 @@
+"""``titan-primus bench``: forward+backward throughput of the FP8 ops against bf16.
+
+Each available backend runs each recipe on model-shaped GEMMs, next to the bf16 op they replace
+(``F.linear``, ``torch._grouped_mm``). Reported: ms per forward+backward, TFLOP/s (3 GEMMs of
+2*M*K*N FLOPs), the speed-up over bf16, and the fraction of the device's dense datasheet peak
+(FP8 peak for FP8 backends, BF16 peak for bf16).
+
+Shapes (M rows x K in -> N out):
+- Linears of Llama3-8B (dim 4096, 8 KV heads x 128 = 1024, FFN 14336) and Llama3-70B (dim 8192,
+  KV 1024, FFN 28672), from TorchTitan 0.3.0 ``models/llama3/__init__.py`` (``_8b``, ``_70b``),
+  M = 8192 tokens (one 8192-token sequence, as in TorchAO's published Llama3-8B FP8 runs).
+- Expert GEMMs of DeepSeek-V3-671B (dim 7168, expert FFN 2048, 256 experts, top-8) and
+  Qwen3-235B-A22B (dim 4096, expert FFN 1536, 128 experts, top-8), from TorchTitan 0.3.0
+  ``models/deepseek_v3`` (``_671b``) and ``models/qwen3`` (``_235b_a22b``): 8 local experts per
+  rank (expert parallelism 32 and 16), 8192 tokens x top-8 = 65536 rows, balanced.
+On a CPU every dimension is divided by 16, and the figures are not FP8 performance.
+
+Timing: on CUDA/ROCm, device events around ``iters`` steps after ``warmup`` untimed ones; on a
+CPU, wall-clock time. Eager by default; ``compile`` wraps each forward in ``torch.compile`` (as
+TorchTitan compiles its blocks: TorchAO's casts are fused only then), the warm-up absorbing the
+compilation.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+
+from . import registry
+from .device import DeviceProfile, detect_device
+from .doctor import describe_error, environment, why_not
+from .report import document, markdown_table, prepare_output, skip_lines, write_document
+from .routing import RoutingDecision, select_backend
+
+__all__ = ["DATASHEET_PEAKS", "GROUPED_SHAPES", "LINEAR_SHAPES", "BenchShape", "command", "cpu_note", "peak_for", "run_bench"]
+
+
+@dataclass(frozen=True)
+class BenchShape:
+    op: str
+    name: str
+    m: int
+    """Rows: tokens for a linear, all experts' rows for a grouped GEMM."""
+    k: int
+    n: int
+    groups: int = 1
+
+    @property
+    def flops(self) -> int:
+        return 6 * self.m * self.k * self.n
+
+    def scaled(self, divisor: int) -> BenchShape:
+        return replace(self, m=self.m // divisor, k=self.k // divisor, n=self.n // divisor)
+
+    def describe(self) -> str:
+        experts = f" E={self.groups}" if self.op == "grouped_mm" else ""
+        return f"M={self.m} K={self.k} N={self.n}{experts}"
+
+
+_TOKENS = 8192
+_ROUTED_ROWS = _TOKENS * 8  # top-8 routing, balanced over a rank's local experts
+
+
+def _llama3(name: str, dim: int, kv: int, ffn: int) -> list[BenchShape]:
+    return [
+        BenchShape("linear", f"{name}.wq_wo", _TOKENS, dim, dim),
+        BenchShape("linear", f"{name}.wk_wv", _TOKENS, dim, kv),
+        BenchShape("linear", f"{name}.w1_w3", _TOKENS, dim, ffn),
+        BenchShape("linear", f"{name}.w2", _TOKENS, ffn, dim),
+    ]
+
+
+def _experts(name: str, dim: int, hidden: int) -> list[BenchShape]:
+    return [
+        BenchShape("grouped_mm", f"{name}.w1_w3", _ROUTED_ROWS, dim, hidden, groups=8),
+        BenchShape("grouped_mm", f"{name}.w2", _ROUTED_ROWS, hidden, dim, groups=8),
+    ]
+
+
+LINEAR_SHAPES = (*_llama3("llama3_8b", 4096, 1024, 14336), *_llama3("llama3_70b", 8192, 1024, 28672))
+GROUPED_SHAPES = (*_experts("deepseek_v3", 7168, 2048), *_experts("qwen3_235b", 4096, 1536))
+CPU_DIVISOR = 16
+QUICK_CPU_DIVISOR = 64
+
+
+@dataclass(frozen=True)
+class Peak:
+    fp8: float
+    bf16: float
+
+
+# Dense (no 2:4 sparsity) peak TFLOP/s of one GPU; vendors' headline figures with sparsity are 2x.
+# - MI300X: AMD Instinct MI300X data sheet, FP8 2614.9, BF16 1307.4 (also shared/reference/primus-turbo.md).
+# - MI325X: the same CDNA 3 compute as MI300X; AMD's MI325X specifications list FP8 2614.9, BF16 1307.4.
+# - MI355X: AMD Instinct MI355X specifications, OCP-FP8 ~5.0 PFLOPS, BF16 ~2.5 PFLOPS (AMD at ISSCC 2026:
+#   "five petaflops" FP8; The Register, 2025-06-12).
+# - H100 and H200 (SXM): NVIDIA H100 / H200 data sheets, FP8 3958 and BF16 1979 with sparsity (same GH100 compute).
+# - B200 (HGX, 1000 W): NVIDIA Blackwell data sheet, FP8 9 and BF16 4.5 PFLOPS with sparsity.
+DATASHEET_PEAKS = {
+    "MI300X": Peak(fp8=2614.9, bf16=1307.4),
+    "MI325X": Peak(fp8=2614.9, bf16=1307.4),
+    "MI355X": Peak(fp8=5000.0, bf16=2500.0),
+    "H100": Peak(fp8=1978.9, bf16=989.4),
+    "H200": Peak(fp8=1978.9, bf16=989.4),
+    "B200": Peak(fp8=4500.0, bf16=2250.0),
+}
+
+
+
+def cpu_note(divisor: int) -> str:
+    return (
+        "CPU figures are not FP8 performance: a CPU has no FP8 matrix units, the emulated backend runs fp32 "
+        "matmuls around FP8 quantization, and TorchAO's CPU _scaled_mm is a reference kernel. Shapes are the "
+        f"model shapes divided by {divisor}. Run on an MI300-class or SM89+ GPU for FP8 throughput."
+    )
+
+
+def peak_for(device_name: str) -> tuple[str, Peak] | None:
+    """The datasheet entry whose key appears in the device's marketing name, if any."""
+    upper = device_name.upper()
+    return next(((key, peak) for key, peak in DATASHEET_PEAKS.items() if key in upper), None)
+
+
+def _time_ms(step, warmup: int, iters: int, on_gpu: bool) -> float:
+    for _ in range(warmup):
+        step()
+    if not on_gpu:
+        started = time.perf_counter()
+        for _ in range(iters):
+            step()
+        return (time.perf_counter() - started) * 1000 / iters
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        step()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def _step(shape: BenchShape, device: torch.device, forward):
+    """A forward+backward closure of ``forward(a, w, offs)``; w is [N, K] or [E, N, K] like the models'
+    weights, offs the balanced groups' end offsets (unused by a linear)."""
+    a = torch.randn(shape.m, shape.k, device=device, dtype=torch.bfloat16, requires_grad=True)
+    w_shape = (shape.n, shape.k) if shape.op == "linear" else (shape.groups, shape.n, shape.k)
+    w = (torch.randn(w_shape, device=device) * 0.02).bfloat16().requires_grad_()
+    grad = torch.randn(shape.m, shape.n, device=device, dtype=torch.bfloat16)
+    offs = torch.arange(1, shape.groups + 1, device=device, dtype=torch.int32) * (shape.m // shape.groups)
+
+    def step():
+        out = forward(a, w, offs)
+        torch.autograd.grad(out, (a, w), grad)
+
+    return step
+
+
+def _bf16(shape: BenchShape):
+    if shape.op == "linear":
+        return lambda a, w, offs: F.linear(a, w)
+    return lambda a, w, offs: torch._grouped_mm(a, w.transpose(-2, -1), offs=offs)
+
+
+def _fp8(shape: BenchShape, decision: RoutingDecision):
+    # Routed once, outside the timed (and compiled) code, as the converter does it.
+    impl, recipe = decision.backend, decision.recipe
+    if shape.op == "linear":
+        return lambda a, w, offs: impl.linear(a, w, None, recipe)
+    return lambda a, w, offs: impl.grouped_mm(a, w.transpose(-2, -1), offs, recipe)
+
+
+def _measure(row: dict, shape: BenchShape, forward, timing: tuple[int, int], device: torch.device, compile: bool) -> None:
+    if compile:
+        # Every measurement's closure shares one code object: without a reset, dynamo's recompile
+        # limit would silently send later measurements back to eager.
+        torch._dynamo.reset()
+        forward = torch.compile(forward)
+    try:
+        ms = _time_ms(_step(shape, device, forward), *timing, on_gpu=device.type == "cuda")
+    except Exception as e:  # one backend breaking must not hide the others' figures
+        row.update(status="error", reason=describe_error(e))
+        return
+    row.update(status="ok", ms=ms, tflops=shape.flops / ms / 1e9)
+
+
+def _row(shape: BenchShape, backend: str, recipe: str | None) -> dict:
+    return {"op": shape.op, "case": shape.name, "shape": shape.describe(), "flops": shape.flops,
+            "backend": backend, "recipe": recipe, "definition": None, "status": "skipped", "reason": "", "ms": None,
+            "tflops": None, "speedup_vs_bf16": None, "fraction_of_peak": None}
+
+
+def run_bench(shapes, recipes: list[str], timing: tuple[int, int], profile: DeviceProfile, compile: bool = False) -> list[dict]:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    found = peak_for(profile.name)
+    peak = found[1] if found else None
+    rows = []
+    for shape in shapes:
+        baseline = _row(shape, "bf16", None)
+        _measure(baseline, shape, _bf16(shape), timing, device, compile)
+        if peak and baseline["tflops"]:
+            baseline["fraction_of_peak"] = baseline["tflops"] / peak.bf16
+        rows.append(baseline)
+        for backend in registry.backends().values():
+            for recipe in recipes:
+                row = _row(shape, backend.name, recipe)
+                rows.append(row)
+                row["reason"] = why_not(backend, shape.op, recipe, profile, k=shape.k, n=shape.n)
+                if row["reason"]:
+                    continue
+                decision = select_backend(shape.op, recipe, profile, backend.name, k=shape.k, n=shape.n)
+                row["definition"] = decision.recipe.definition
+                _measure(row, shape, _fp8(shape, decision), timing, device, compile)
+                if row["status"] == "ok" and baseline["status"] == "ok":
+                    row["speedup_vs_bf16"] = baseline["ms"] / row["ms"]
+                if row["status"] == "ok" and peak:
+                    row["fraction_of_peak"] = row["tflops"] / peak.fp8
+    return rows
+
+
+def _fmt(value: float | None, pattern: str) -> str:
+    return "-" if value is None else format(value, pattern)
+
+
+def render(rows: list[dict], profile: DeviceProfile, timing: tuple[int, int], mode: str, note: str, seconds: float) -> str:
+    found = peak_for(profile.name)
+    lines = [(f"titan-primus bench on {profile.describe()}: forward+backward ({mode}), "
+              f"{timing[0]} warm-up + {timing[1]} timed iterations")]
+    if found:
+        lines.append(f"datasheet peak ({found[0]}, dense): FP8 {found[1].fp8:g} TFLOP/s, BF16 {found[1].bf16:g} TFLOP/s")
+    else:
+        lines.append(f"no datasheet peak known for {profile.name!r}: fraction of peak not reported")
+    if note:
+        lines.append(note)
+    lines.append("")
+    table = [
+        [r["op"], r["case"], r["shape"], r["backend"], r["recipe"] or "-", _fmt(r["ms"], ".3g"), _fmt(r["tflops"], ".3g"),
+         _fmt(r["speedup_vs_bf16"], ".2f"), _fmt(r["fraction_of_peak"] and 100 * r["fraction_of_peak"], ".1f"), r["status"]]
+        for r in rows if r["status"] != "skipped"
+    ]
+    lines.append(markdown_table(
+        ["op", "case", "shape", "backend", "recipe", "ms", "TFLOP/s", "x bf16", "% peak", "status"], table
+    ))
+    errors = [r for r in rows if r["status"] == "error"]
+    if errors:
+        lines += ["", "errors:"] + [f"  {r['case']} {r['backend']} {r['recipe']}: {r['reason']}" for r in errors]
+    skipped = [(r["backend"], r["reason"]) for r in rows if r["status"] == "skipped"]
+    if skipped:
+        lines += ["", f"skipped ({len(skipped)} measurements):", *skip_lines(skipped)]
+    lines += ["", f"{len(rows) - len(skipped) - len(errors)} measured, {len(errors)} errors in {seconds:.1f} s"]
+    return "\n".join(lines) + "\n"
+
+
+def command(recipes: list[str], quick: bool, compile: bool, iters: int | None, warmup: int | None,
+            json_path: str | None, out) -> int:
+    """Measure, print, write ``json_path``; 1 when a backend raised."""
+    profile = detect_device()
+    prepare_output(json_path)
+    shapes = (LINEAR_SHAPES[0], GROUPED_SHAPES[0]) if quick else (*LINEAR_SHAPES, *GROUPED_SHAPES)
+    on_gpu = profile.kind != "cpu"
+    divisor = 1 if on_gpu else QUICK_CPU_DIVISOR if quick else CPU_DIVISOR
+    shapes = [s.scaled(divisor) for s in shapes]
+    note = "" if on_gpu else cpu_note(divisor)
+    timing = (warmup or (1 if quick or not on_gpu else 5), iters or (1 if quick else 20 if on_gpu else 3))
+    started = time.perf_counter()
+    rows = run_bench(shapes, recipes, timing, profile, compile)
+    seconds = time.perf_counter() - started
+    mode = "torch.compile" if compile else "eager"
+    out.write(render(rows, profile, timing, mode, note, seconds))
+    counts = Counter(r["status"] for r in rows)
+    if json_path:
+        found = peak_for(profile.name)
+        settings = {
+            "recipes": recipes, "quick": quick, "mode": mode, "warmup": timing[0], "iters": timing[1],
+            "shape_divisor": divisor,
+            "peak": {"device": found[0], "fp8_tflops": found[1].fp8, "bf16_tflops": found[1].bf16} if found else None,
+            "note": note,
+        }
+        summary = {status: counts[status] for status in ("ok", "error", "skipped")}
+        summary["seconds"] = round(seconds, 2)
+        write_document(json_path, document("bench", environment(profile), settings, rows, summary))
+        out.write(f"JSON written to {json_path}\n")
+    return 1 if counts["error"] else 0

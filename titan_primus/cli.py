@@ -1,0 +1,102 @@
+"""``titan-primus``: the command line. Parses arguments only; each subcommand lives in its own
+module (doctor, parity, bench, report), imported when it runs.
+
+Exit codes: 0 success; 1 a parity case failed or a required backend did not run; 2 bad usage
+(unknown flag, unreadable or malformed input file), reported in one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .device import known_profiles
+from .recipes import RECIPE_NAMES
+
+__all__ = ["build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="titan-primus",
+        description="Portable FP8 training for TorchTitan: inspect, verify and benchmark the FP8 backends here.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    doctor = commands.add_parser(
+        "doctor", help="versions, device profile, backends and the routing table (always exits 0)",
+        description="Report versions, the device profile, every registered backend and the op x recipe routing table.",
+    )
+    doctor.add_argument("--device", choices=known_profiles(), metavar="PROFILE",
+                        help=f"show a named device profile instead of the detected one ({', '.join(known_profiles())})")
+    doctor.add_argument("--json", action="store_true", help="print JSON to stdout instead of tables")
+
+    parity = commands.add_parser(
+        "parity", help="SQNR of every backend against fp32 and each other (exit 1 when a case fails)",
+        description="Run op x recipe x shape case x backend and check SQNR of out, grad_input and grad_weight.",
+    )
+    parity.add_argument("--device", choices=known_profiles(), metavar="PROFILE",
+                        help="device profile to test under (default: detected)")
+    parity.add_argument("--json", metavar="PATH", help="write the full matrix to PATH (docs/json-schema.md)")
+    parity.add_argument("--require", action="append", default=[], metavar="BACKEND",
+                        help="fail unless BACKEND is available and runs (repeatable)")
+    parity.add_argument("--quick", action="store_true", help="a small case set (seconds on a CPU)")
+
+    bench = commands.add_parser(
+        "bench", help="FP8 vs bf16 forward+backward throughput of linears and grouped GEMMs",
+        description="Time FP8 linear and grouped GEMM forward+backward per available backend against bf16.",
+    )
+    bench.add_argument("--json", metavar="PATH", help="write the results to PATH (docs/json-schema.md)")
+    bench.add_argument("--recipe", action="append", choices=RECIPE_NAMES, metavar="RECIPE",
+                       help=f"recipe to time (repeatable; default: all of {', '.join(RECIPE_NAMES)})")
+    bench.add_argument("--iters", type=_positive, metavar="N", help="timed iterations per measurement")
+    bench.add_argument("--warmup", type=_positive, metavar="N", help="untimed iterations first")
+    bench.add_argument("--compile", action="store_true",
+                       help="torch.compile each forward, as TorchTitan compiles its blocks (TorchAO fuses its casts only then)")
+    bench.add_argument("--quick", action="store_true", help="one shape per op, one iteration (for tests)")
+
+    report = commands.add_parser(
+        "report", help="render parity/bench JSON files side by side as Markdown",
+        description="Render parity and bench results files side by side as Markdown, optionally a PNG plot.",
+    )
+    report.add_argument("files", nargs="+", metavar="FILE", help="results files written with --json")
+    report.add_argument("--png", metavar="PATH", help="also plot SQNR per case per backend to PATH (needs matplotlib)")
+    return parser
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "doctor":
+            from . import doctor
+
+            return doctor.command(args.device, args.json, sys.stdout)
+        if args.command == "parity":
+            from . import parity
+
+            return parity.command(args.device, args.quick, args.require, args.json, sys.stdout, sys.stderr)
+        if args.command == "bench":
+            from . import bench
+
+            return bench.command(args.recipe or list(RECIPE_NAMES), args.quick, args.compile, args.iters,
+                                 args.warmup, args.json, sys.stdout)
+        from . import report
+
+        return report.command(args.files, args.png, sys.stdout)
+    except (ValueError, OSError) as e:  # bad input: one line, not a traceback
+        print(f"titan-primus {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,191 @@
+"""``titan-primus doctor``: what this machine has and what would run where.
+
+Versions of the stack, the device profile, every registered backend (plugins included) with
+whether it is available and why not, and the routing table ``backend="auto"`` gives for each op
+and recipe. It reports and never fails: exit code 0 even where no FP8 backend is available.
+Versions come from package metadata, so nothing optional (TorchTitan, Primus-Turbo) is imported.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+from datetime import UTC, datetime
+from importlib import metadata
+
+import torch
+
+from . import __version__, registry
+from .backends.base import OPS
+from .device import DeviceProfile, detect_device, device_profile
+from .recipes import RECIPE_NAMES
+from .report import SCHEMA_VERSION, markdown_table
+from .routing import BackendUnavailableError, select_backend
+
+__all__ = ["command", "describe_error", "diagnose", "environment", "profile_dict", "render", "resolve_profile", "versions", "why_not"]
+
+# Distribution names as pip knows them (metadata lookups normalise - and _).
+_PACKAGES = ("torch", "torchtitan", "torchao", "primus-turbo")
+
+
+def _installed(distribution: str) -> str | None:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def versions() -> dict[str, str | None]:
+    """Installed versions (None when absent), and the GPU runtime torch was built for."""
+    found = {"python": platform.python_version(), "titan-primus": __version__}
+    found.update({name: _installed(name) for name in _PACKAGES})
+    found["torch HIP build"] = torch.version.hip
+    found["torch CUDA build"] = torch.version.cuda
+    return found
+
+
+def why_not(backend, op: str, recipe: str, profile: DeviceProfile, k: int | None = None, n: int | None = None) -> str:
+    """Why ``backend`` cannot run ``op`` with ``recipe`` on ``profile`` ("" when it can)."""
+    available = backend.availability(profile)
+    if not available:
+        return f"unavailable: {available.reason}"
+    supported = backend.supports(op, recipe, profile, k=k, n=n)
+    return "" if supported else f"unsupported: {supported.reason}"
+
+
+def describe_error(e: Exception) -> str:
+    """An exception in one line, for a report row."""
+    lines = str(e).splitlines()
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+
+
+def resolve_profile(name: str | None) -> DeviceProfile:
+    """The detected profile, or the named one; naming this machine's own arch gives the detected one."""
+    detected = detect_device()
+    return detected if name in (None, detected.arch) else device_profile(name)
+
+
+def profile_dict(profile: DeviceProfile) -> dict:
+    return {
+        "kind": profile.kind,
+        "arch": profile.arch,
+        "name": profile.name,
+        "e4m3": str(profile.e4m3).removeprefix("torch."),
+        "e5m2": str(profile.e5m2).removeprefix("torch."),
+        "fp8_hardware": profile.fp8_hardware,
+        "mi300_class": profile.mi300_class,
+        "detected": profile.detected,
+        "description": profile.describe(),
+    }
+
+
+def environment(profile: DeviceProfile) -> dict:
+    """The environment block of every results file: when, with what, on which device profile."""
+    return {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "platform": platform.platform(),
+        "gpus_visible": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        "versions": versions(),
+        "device": profile_dict(profile),
+    }
+
+
+def _backends(profile: DeviceProfile) -> list[dict]:
+    rows = []
+    for backend in registry.backends().values():
+        verdict = backend.availability(profile)
+        rows.append({
+            "name": backend.name,
+            "provided_by": type(backend).__module__,
+            "rank": backend.rank(profile),
+            "available": verdict.ok,
+            "reason": verdict.reason,
+        })
+    return rows
+
+
+def _routing(profile: DeviceProfile) -> list[dict]:
+    rows = []
+    for op in OPS:
+        for recipe in RECIPE_NAMES:
+            try:
+                decision = select_backend(op, recipe, profile)
+            except BackendUnavailableError as e:
+                rows.append({"op": op, "recipe": recipe, "backend": None, "definition": None,
+                             "reason": str(e), "passed_over": []})
+                continue
+            rows.append({
+                "op": op,
+                "recipe": recipe,
+                "backend": decision.backend_name,
+                "definition": decision.recipe.definition,
+                "reason": decision.reason,
+                "passed_over": [{"backend": name, "reason": why} for name, why in decision.passed_over],
+            })
+    return rows
+
+
+def diagnose(device: str | None = None) -> dict:
+    """Everything doctor reports, as data; ``device`` names a profile (default: detected)."""
+    profile = resolve_profile(device)
+    turbo = registry.backends().get("primus_turbo")
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "kind": "doctor",
+        "environment": environment(profile),
+        "primus_turbo": turbo.availability(profile).reason if turbo else "no primus_turbo backend is registered",
+        "backends": _backends(profile),
+        "routing": _routing(profile),
+    }
+
+
+def _version_rows(diagnosis: dict) -> list[list[str]]:
+    found = diagnosis["environment"]["versions"]
+    missing = {
+        "torchtitan": "not installed: only the TorchTitan converter needs it; the FP8 ops and these tools run without",
+        "torchao": "not installed: the torchao backend is unavailable (pip install 'torchao>=0.17')",
+        "primus-turbo": "not installed",
+        "torch HIP build": "-",
+        "torch CUDA build": "-",
+    }
+    rows = [[name, version or missing.get(name, "not installed")] for name, version in found.items()]
+    turbo = next(row for row in rows if row[0] == "primus-turbo")
+    turbo[1] += f"; here: {diagnosis['primus_turbo']}"
+    return rows
+
+
+def render(diagnosis: dict) -> str:
+    env = diagnosis["environment"]
+    device = env["device"]
+    lines = ["titan-primus doctor", "", markdown_table(["component", "version"], _version_rows(diagnosis)), ""]
+    lines.append(f"device: {device['description']}")
+    lines.append(
+        f"  MI300-class: {'yes' if device['mi300_class'] else 'no'}; "
+        f"FP8 matrix units: {'yes' if device['fp8_hardware'] else 'no'}; "
+        f"FP8 formats: {device['e4m3']} / {device['e5m2']}; "
+        f"GPUs visible to torch: {env['gpus_visible']}"
+    )
+    lines += ["", "backends (backend=\"auto\" takes the highest rank that is available and supports the op):"]
+    lines.append(markdown_table(
+        ["backend", "provided by", "rank", "available", "why"],
+        [[b["name"], b["provided_by"], str(b["rank"]), "yes" if b["available"] else "no", b["reason"]]
+         for b in diagnosis["backends"]],
+    ))
+    lines += ["", f"routing on {device['arch']} (op x recipe -> backend):"]
+    lines.append(markdown_table(
+        ["op", "recipe", "backend", "definition", "why", "passed over"],
+        [[r["op"], r["recipe"], r["backend"] or "NONE", r["definition"] or "-", r["reason"],
+          ", ".join(p["backend"] for p in r["passed_over"]) or "-"] for r in diagnosis["routing"]],
+    ))
+    passed_over = {(p["backend"], p["reason"]) for r in diagnosis["routing"] for p in r["passed_over"]}
+    if passed_over:
+        lines += ["", "why backends were passed over:"]
+        lines += [f"  {name}: {why}" for name, why in sorted(passed_over)]
+    return "\n".join(lines) + "\n"
+
+
+def command(device: str | None, as_json: bool, out) -> int:
+    diagnosis = diagnose(device)
+    out.write(json.dumps(diagnosis, indent=2) + "\n" if as_json else render(diagnosis))
+    return 0

@@ -1,0 +1,577 @@
+"""``titan-primus parity``: do the FP8 backends on this machine compute what they should?
+
+For each op (linear, grouped GEMM) x recipe x shape case x registered backend, forward and
+backward run on seeded inputs, and the SQNR (:func:`titan_primus.sqnr`) of out, grad_input and
+grad_weight is measured against an fp32 reference computed from the same inputs, and between
+backends that implement the same recipe definition.
+
+Thresholds, per GEMM, read off the recipe the backend runs (Primus-Turbo's own accuracy gates):
+  vs fp32: 25 dB where the GEMM's operands are e4m3; 20 dB where one is e5m2 (tensorwise
+  gradients); 50 dB where the GEMM stays in high precision (rowwise_with_gw_hp's wgrad).
+  Same definition: 40 dB between two runs of one recipe definition. Where two backends define a
+  recipe differently (TorchAO rounds rowwise scales to powers of two, Primus-Turbo does not),
+  they are not compared with each other; each is compared with fp32, and with the emulated
+  backend running its own definition (the emulation reproduces every definition).
+Besides the thresholds, every output must be finite and rows of a grouped GEMM past the last
+group must get exactly zero output and gradient.
+
+Where cases run: under the device profile asked for (default: the detected device); tensors live
+on this machine's GPU if it has one, else on the CPU. The fnuz-range case needs FNUZ formats
+(gfx942): on any other device it runs under the gfx942 profile with the emulation only, since
+real kernels there use their own device's formats. A backend that raises under a named profile
+that is not this machine's hardware is listed as skipped with the error; on the detected device
+it is a failure.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+import zlib
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from itertools import combinations
+
+import torch
+
+from . import registry
+from .device import DeviceProfile, device_profile
+from .doctor import describe_error, environment, resolve_profile, why_not
+from .grouping import group_bounds
+from .metrics import sqnr
+from .ops import fp8_grouped_mm, fp8_linear
+from .recipes import RECIPE_NAMES, Fp8Recipe, GemmCasts
+from .report import (
+    db_value,
+    document,
+    format_db,
+    markdown_table,
+    prepare_output,
+    skip_lines,
+    write_document,
+)
+from .routing import BackendUnavailableError, select_backend
+
+__all__ = [
+    "DEFAULT_CASES",
+    "QUICK_CASES",
+    "GroupedCase",
+    "LinearCase",
+    "command",
+    "fp32_bars",
+    "make_offsets",
+    "reference_grouped",
+    "reference_linear",
+    "run_grouped",
+    "run_linear",
+    "run_matrix",
+    "sqnrs",
+]
+
+QUANTITIES = ("out", "grad_input", "grad_weight")
+E4M3_BAR_DB = 25.0
+E5M2_BAR_DB = 20.0
+HIGH_PRECISION_BAR_DB = 50.0
+SAME_DEFINITION_BAR_DB = 40.0
+FNUZ_PROFILE = "gfx942"
+# The pure-PyTorch emulation runs every definition everywhere: the oracle the others are compared with.
+ORACLE = "emulated"
+
+
+# --- fp32 references and forward+backward runs (the test suite uses these too) ---------------
+
+
+def make_offsets(counts: list[int] | tuple[int, ...]) -> torch.Tensor:
+    """int32 cumulative end offsets (TorchTitan's ``offs``) of groups with ``counts`` rows."""
+    return torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+
+
+def run_linear(fn, x, weight, bias, grad_out):
+    """(out, grad_x, grad_w, grad_b) of ``fn(x, weight, bias)`` for upstream gradient ``grad_out``."""
+    x = x.detach().clone().requires_grad_()
+    weight = weight.detach().clone().requires_grad_()
+    bias = None if bias is None else bias.detach().clone().requires_grad_()
+    out = fn(x, weight, bias)
+    out.backward(grad_out.to(out.dtype))
+    return out, x.grad, weight.grad, None if bias is None else bias.grad
+
+
+def reference_linear(x, weight, bias, grad_out):
+    """fp32 reference computed from the same (possibly bf16-rounded) inputs."""
+
+    def fp32(x, w, b):
+        out = x.float() @ w.float().t()
+        return out if b is None else out + b.float()
+
+    return run_linear(fp32, x, weight, bias, grad_out.float())
+
+
+def run_grouped(fn, A, W, offs, grad_out):
+    """(out, grad_A, grad_W) of ``fn(A, W.transpose(-2, -1), offs)``; W is [E, N, K] like TorchTitan."""
+    A = A.detach().clone().requires_grad_()
+    W = W.detach().clone().requires_grad_()
+    out = fn(A, W.transpose(-2, -1), offs)
+    out.backward(grad_out.to(out.dtype))
+    return out, A.grad, W.grad
+
+
+def reference_grouped(A, W, offs, grad_out):
+    """fp32 reference: one matmul per group; rows past the last group stay zero."""
+
+    def fp32(A, B_t, offs):
+        out = A.new_zeros(A.shape[0], B_t.shape[2], dtype=torch.float32)
+        for g, (s, e) in enumerate(group_bounds(offs)):
+            out[s:e] = A[s:e].float() @ B_t[g].float()
+        return out
+
+    return run_grouped(fp32, A, W, offs, grad_out.float())
+
+
+def sqnrs(reference, actual) -> list[float]:
+    """SQNR of each tensor of ``actual`` against ``reference``, skipping absent (None) ones."""
+    return [sqnr(r, a) for r, a in zip(reference, actual) if r is not None]
+
+
+# --- thresholds ---------------------------------------------------------------------------
+
+
+def gemm_bar(casts: GemmCasts) -> float:
+    """Minimum SQNR vs fp32 (dB) of one GEMM's result, from how its operands are cast."""
+    formats = {casts.a.fmt, casts.b.fmt}
+    if formats == {None}:
+        return HIGH_PRECISION_BAR_DB
+    return E5M2_BAR_DB if "e5m2" in formats else E4M3_BAR_DB
+
+
+def fp32_bars(recipe: Fp8Recipe) -> tuple[float, float, float]:
+    """Minimum SQNR vs fp32 (dB) of (out, grad_input, grad_weight) under ``recipe``."""
+    return gemm_bar(recipe.output), gemm_bar(recipe.grad_input), gemm_bar(recipe.grad_weight)
+
+
+# --- shape cases ---------------------------------------------------------------------------
+
+_NORMAL = (1.0, 0.05, 1.0)  # std of (input, weight, grad_output)
+# Far beyond e4m3fnuz's 240 (and e4m3fn's 448): an unclamped cast to fnuz is NaN in eager PyTorch.
+_FNUZ_RANGE = (1000.0, 500.0, 1e5)
+
+
+def _generator(name: str) -> torch.Generator:
+    # Seeded by the case name: every recipe and backend sees the same inputs, in any order.
+    return torch.Generator().manual_seed(zlib.crc32(name.encode()))
+
+
+def unbalanced_counts(total: int, groups: int, seed: int) -> tuple[int, ...]:
+    """Group sizes whose shares are 0.2 + 0.8 * U(0, 1), as Primus-Turbo's grouped GEMM tests draw them."""
+    shares = 0.2 + 0.8 * torch.rand(groups, generator=torch.Generator().manual_seed(seed))
+    counts = (shares / shares.sum() * total).floor().to(torch.int64)
+    counts[-1] += total - counts.sum()
+    return tuple(counts.tolist())
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Case:
+    name: str
+    k: int
+    n: int
+    why: str
+    scales: tuple[float, float, float] = _NORMAL
+    fnuz: bool = False
+    """Run under FNUZ formats (the gfx942 profile where the device is not FNUZ)."""
+
+    def problems(self, inputs, outputs) -> list[str]:
+        return _non_finite(outputs)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinearCase(_Case):
+    m: int
+    op = "linear"
+
+    def shape(self) -> str:
+        return f"M={self.m} K={self.k} N={self.n}"
+
+    def inputs(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        gen = _generator(self.name)
+        sx, sw, sg = self.scales
+        x = (torch.randn(self.m, self.k, generator=gen) * sx).bfloat16()
+        weight = torch.randn(self.n, self.k, generator=gen) * sw  # fp32 master weight
+        bias = torch.randn(self.n, generator=gen)
+        grad_out = (torch.randn(self.m, self.n, generator=gen) * sg).bfloat16()
+        return tuple(t.to(device) for t in (x, weight, bias, grad_out))
+
+    def run(self, inputs, recipe: Fp8Recipe | None, backend: str, device: DeviceProfile):
+        """(out, grad_input, grad_weight); ``recipe=None`` is the fp32 reference."""
+        if recipe is None:
+            return reference_linear(*inputs)[:3]
+        fn = lambda x, w, b: fp8_linear(x, w, b, recipe=recipe, backend=backend, device=device)
+        return run_linear(fn, *inputs)[:3]
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupedCase(_Case):
+    counts: tuple[int, ...]
+    trailing: int = 0
+    op = "grouped_mm"
+
+    def shape(self) -> str:
+        trailing = f" +{self.trailing} trailing" if self.trailing else ""
+        return f"E={len(self.counts)} rows={sum(self.counts)}{trailing} K={self.k} N={self.n} groups={list(self.counts)}"
+
+    def inputs(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        gen = _generator(self.name)
+        rows = sum(self.counts) + self.trailing
+        sa, sw, sg = self.scales
+        A = (torch.randn(rows, self.k, generator=gen) * sa).bfloat16()
+        W = (torch.randn(len(self.counts), self.n, self.k, generator=gen) * sw).bfloat16()  # [E, N, K]
+        grad_out = (torch.randn(rows, self.n, generator=gen) * sg).bfloat16()
+        return A.to(device), W.to(device), make_offsets(self.counts).to(device), grad_out.to(device)
+
+    def run(self, inputs, recipe: Fp8Recipe | None, backend: str, device: DeviceProfile):
+        """(out, grad_A, grad_W); ``recipe=None`` is the fp32 reference."""
+        if recipe is None:
+            return reference_grouped(*inputs)
+        fn = lambda A, B_t, offs: fp8_grouped_mm(A, B_t, offs, recipe=recipe, backend=backend, device=device)
+        return run_grouped(fn, *inputs)
+
+    def problems(self, inputs, outputs) -> list[str]:
+        found = super().problems(inputs, outputs)
+        end = sum(self.counts)
+        out, grad_A, _ = outputs
+        if self.trailing and (out[end:].any() or grad_A[end:].any()):
+            found.append(f"rows past offs[-1] ({self.trailing}) got non-zero output or gradient")
+        return found
+
+
+def _non_finite(outputs) -> list[str]:
+    return [f"{q} has NaN/inf" for q, t in zip(QUANTITIES, outputs) if not torch.isfinite(t).all()]
+
+
+_M_NOT_16 = "M not a multiple of 16, a shape Primus-Turbo's own tests use"
+_FNUZ_WHY = "values far beyond e4m3fnuz's 240 on the gfx942 formats: must saturate, never NaN"
+
+DEFAULT_CASES = (
+    LinearCase(name="m255", m=255, k=512, n=384, why=_M_NOT_16),
+    LinearCase(name="m507", m=507, k=384, n=512, why=_M_NOT_16),
+    LinearCase(name="m512", m=512, k=512, n=512, why="aligned baseline"),
+    LinearCase(name="k_unaligned", m=64, k=120, n=72,
+               why="K and N not multiples of 16: FP8 kernels refuse it, the emulation runs it"),
+    LinearCase(name="fnuz_range", m=128, k=256, n=256, why=_FNUZ_WHY, scales=_FNUZ_RANGE, fnuz=True),
+    GroupedCase(name="unbalanced", counts=unbalanced_counts(2048, 8, seed=1), k=512, n=256,
+                why="unbalanced groups (Primus-Turbo's draw)"),
+    GroupedCase(name="empty_groups", counts=(0, 300, 0, 517, 1, 0, 230, 0), k=256, n=256,
+                why="empty groups, first and last included"),
+    GroupedCase(name="trailing_rows", counts=(128, 64, 0, 192), trailing=48, k=256, n=128,
+                why="rows past offs[-1], as TorchTitan's padding dispatcher leaves"),
+    GroupedCase(name="one_group", counts=(777,), k=256, n=128, why="a single group (G=1)"),
+    GroupedCase(name="32_groups", counts=unbalanced_counts(4096, 32, seed=2), k=256, n=128,
+                why="32 unbalanced groups"),
+    GroupedCase(name="fnuz_range", counts=(40, 0, 88), trailing=8, k=128, n=128, why=_FNUZ_WHY,
+                scales=_FNUZ_RANGE, fnuz=True),
+)
+
+QUICK_CASES = (
+    LinearCase(name="m255", m=255, k=64, n=48, why=_M_NOT_16),
+    LinearCase(name="fnuz_range", m=32, k=64, n=32, why=_FNUZ_WHY, scales=_FNUZ_RANGE, fnuz=True),
+    GroupedCase(name="empty_groups_trailing_rows", counts=(9, 0, 21, 6), trailing=5, k=64, n=32,
+                why="an empty group and rows past offs[-1]"),
+)
+
+
+# --- running the matrix --------------------------------------------------------------------
+
+
+@dataclass
+class Check:
+    quantity: str
+    against: str
+    """"fp32", or the backend running the same recipe definition."""
+    sqnr_db: float
+    threshold_db: float
+
+    @property
+    def passed(self) -> bool:
+        return self.sqnr_db >= self.threshold_db
+
+    def to_json(self) -> dict:
+        return {"quantity": self.quantity, "against": self.against, "sqnr_db": db_value(self.sqnr_db),
+                "threshold_db": self.threshold_db, "passed": self.passed}
+
+
+@dataclass
+class Row:
+    """One (op, recipe, case, backend) cell of the matrix."""
+
+    op: str
+    recipe: str
+    case: str
+    shape: str
+    device: str
+    backend: str
+    routed: bool
+    definition: str | None = None
+    status: str = "skipped"
+    reason: str = ""
+    checks: list[Check] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    differs_from: list[str] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        return f"{self.backend} ({self.definition})"
+
+    def to_json(self) -> dict:
+        return {
+            "op": self.op, "recipe": self.recipe, "case": self.case, "shape": self.shape,
+            "device": self.device, "backend": self.backend, "definition": self.definition,
+            "routed": self.routed, "status": self.status, "reason": self.reason,
+            "checks": [c.to_json() for c in self.checks], "problems": self.problems,
+            "differs_from": self.differs_from,
+        }
+
+
+@dataclass
+class _Run:
+    row: Row
+    recipe: Fp8Recipe
+    outputs: tuple
+
+
+def _host_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _case_profile(case, profile: DeviceProfile) -> tuple[DeviceProfile, str]:
+    """The profile ``case`` runs under, and why only the emulation runs it ("" when all may)."""
+    if not case.fnuz or profile.fnuz:
+        return profile, ""
+    return device_profile(FNUZ_PROFILE), (
+        f"fnuz-range case on a non-FNUZ device ({profile.arch}): it runs under the {FNUZ_PROFILE} profile "
+        f"with the emulation only; real kernels run it on {FNUZ_PROFILE} hardware"
+    )
+
+
+def _why_not(backend, case, recipe: str, profile: DeviceProfile, emulation_only: str) -> str:
+    if emulation_only and backend.name != ORACLE:
+        return emulation_only
+    return why_not(backend, case.op, recipe, profile, k=case.k, n=case.n)
+
+
+def _routed(case, recipe: str, profile: DeviceProfile) -> str | None:
+    try:
+        return select_backend(case.op, recipe, profile, k=case.k, n=case.n).backend_name
+    except BackendUnavailableError:
+        return None
+
+
+def _execute(row: Row, case, inputs, recipe: Fp8Recipe, profile: DeviceProfile) -> _Run | None:
+    row.definition = recipe.definition
+    try:
+        return _Run(row, recipe, case.run(inputs, recipe, row.backend, profile))
+    except Exception as e:  # a report of what broke, for any backend, beats a traceback
+        message = describe_error(e)
+        if profile.detected or row.backend == ORACLE:
+            row.status, row.reason = "error", message
+        else:
+            row.reason = (
+                f"could not run on this {_host_device().type} host under the named profile {profile.arch} ({message})"
+            )
+        return None
+
+
+def _judge(runs: list[_Run], reference, case, inputs) -> None:
+    """Attach checks to every run, then decide pass or fail."""
+    for run in runs:
+        measured = sqnrs(reference, run.outputs)
+        run.row.checks = [Check(q, "fp32", db, bar) for q, db, bar in zip(QUANTITIES, measured, fp32_bars(run.recipe))]
+        run.row.problems = case.problems(inputs, run.outputs)
+    for first, second in combinations(runs, 2):  # the oracle comes first, so it is the reference
+        if first.recipe.definition == second.recipe.definition:
+            measured = sqnrs(first.outputs, second.outputs)
+            second.row.checks += [Check(q, first.row.backend, db, SAME_DEFINITION_BAR_DB) for q, db in zip(QUANTITIES, measured)]
+        else:
+            first.row.differs_from.append(second.row.label)
+            second.row.differs_from.append(first.row.label)
+    for run in runs:
+        failed = [f"{c.quantity} vs {c.against} {format_db(c.sqnr_db)} dB < {c.threshold_db:g}"
+                  for c in run.row.checks if not c.passed]
+        run.row.status = "fail" if failed or run.row.problems else "pass"
+        run.row.reason = "; ".join(run.row.problems + failed)
+
+
+def _run_cell(case, recipe: str, requested: DeviceProfile) -> list[Row]:
+    profile, emulation_only = _case_profile(case, requested)
+    inputs = case.inputs(_host_device())
+    reference = case.run(inputs, None, "", profile)
+    routed = _routed(case, recipe, profile)
+    rows: list[Row] = []
+    runs: list[_Run] = []
+
+    def new_row(backend: str) -> Row:
+        row = Row(case.op, recipe, case.name, case.shape(), profile.arch, backend, routed=backend == routed)
+        rows.append(row)
+        return row
+
+    registered = registry.backends()
+    for backend in sorted(registered.values(), key=lambda b: b.name != ORACLE):
+        row = new_row(backend.name)
+        row.reason = _why_not(backend, case, recipe, profile, emulation_only)
+        if not row.reason:
+            runs.append(_execute(row, case, inputs, backend.recipe_for(recipe, profile), profile))
+    runs = [r for r in runs if r is not None]
+    # A definition no emulated run covered: the emulation runs it too, for a same-definition comparison.
+    emulated_definitions = {r.recipe.definition for r in runs if r.row.backend == ORACLE}
+    if ORACLE in registered:
+        for other in list(runs):
+            if other.recipe.definition not in emulated_definitions:
+                emulated_definitions.add(other.recipe.definition)
+                extra = _execute(new_row(ORACLE), case, inputs, other.recipe, profile)
+                if extra:
+                    runs.insert(0, extra)
+    _judge(runs, reference, case, inputs)
+    return rows
+
+
+class Progress:
+    """A one-line progress bar on stderr, drawn only when stderr is a terminal."""
+
+    def __init__(self, total: int, stream):
+        self.total, self.stream, self.done = total, stream, 0
+        self.enabled = stream.isatty()
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        if self.enabled:
+            width = 30
+            filled = width * self.done // self.total
+            line = f"[{'#' * filled}{'-' * (width - filled)}] {self.done}/{self.total} {label}"
+            columns = shutil.get_terminal_size().columns
+            self.stream.write("\r" + line[: columns - 1].ljust(columns - 1))
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self.stream.write("\r" + " " * (shutil.get_terminal_size().columns - 1) + "\r")
+            self.stream.flush()
+
+
+def run_matrix(profile: DeviceProfile, cases, recipes=RECIPE_NAMES, progress: Progress | None = None) -> list[Row]:
+    rows = []
+    for case in cases:
+        for recipe in recipes:
+            rows += _run_cell(case, recipe, profile)
+            if progress:
+                progress.step(f"{case.op} {case.name} {recipe}")
+    return rows
+
+
+def require_problems(rows: list[Row], required: list[str], profile: DeviceProfile) -> list[str]:
+    """Why each backend named with --require did not run here (empty when all did)."""
+    registered = registry.backends()
+    found = []
+    for name in required:
+        if name not in registered:
+            found.append(f"{name} is not a registered backend (registered: {', '.join(registered)})")
+        elif not (available := registered[name].availability(profile)):
+            found.append(f"{name} is unavailable on {profile.arch}: {available.reason}")
+        elif not any(r.backend == name and r.status != "skipped" for r in rows):
+            found.append(f"{name} is available but ran no case on {profile.arch}")
+    return found
+
+
+# --- output --------------------------------------------------------------------------------
+
+
+def _same_definition_cell(row: Row) -> str:
+    cross = [c for c in row.checks if c.against != "fp32"]
+    if not cross:
+        return "-"
+    return f"vs {cross[0].against}: {format_db(min(c.sqnr_db for c in cross))}"
+
+
+def render(rows: list[Row], profile: DeviceProfile, cases, required_missing: list[str], seconds: float) -> str:
+    ran = [r for r in rows if r.status != "skipped"]
+    skipped = [r for r in rows if r.status == "skipped"]
+    lines = [
+        (f"titan-primus parity on {profile.describe()}: {len(cases)} shape cases x {len(RECIPE_NAMES)} recipes "
+         f"x {len(registry.backends())} backends"),
+        (f"bars: vs fp32 {E4M3_BAR_DB:g} dB (e4m3 GEMMs), {E5M2_BAR_DB:g} dB (GEMMs with an e5m2 operand), "
+         f"{HIGH_PRECISION_BAR_DB:g} dB (high-precision GEMMs); same definition {SAME_DEFINITION_BAR_DB:g} dB; "
+         "* = what backend=\"auto\" picks"),
+        "",
+    ]
+    table = []
+    for r in ran:
+        fp32 = {c.quantity: c.sqnr_db for c in r.checks if c.against == "fp32"}
+        table.append([
+            r.op, r.recipe, r.case, r.device, r.label + (" *" if r.routed else ""),
+            *(format_db(fp32[q]) if q in fp32 else "-" for q in QUANTITIES),
+            _same_definition_cell(r), r.status,
+        ])
+    lines.append(markdown_table(
+        ["op", "recipe", "case", "profile", "backend (definition)", "out", "grad_in", "grad_w", "same definition", "status"],
+        table,
+    ))
+    failed = [r for r in ran if r.status != "pass"]
+    if failed:
+        lines += ["", "failures:"] + [f"  {r.op}/{r.recipe}/{r.case} {r.label}: {r.status}: {r.reason}" for r in failed]
+    definitions: dict[tuple[str, str], set[str]] = defaultdict(set)
+    for r in ran:
+        definitions[r.recipe, r.device].add(r.definition)
+    differing = [(key, found) for key, found in definitions.items() if len(found) > 1]
+    if differing:
+        lines += ["", ("recipes defined differently by the backends here (each compared with fp32 and the emulation "
+                       "of its own definition, not with each other):")]
+        lines += [f"  {recipe} on {device}: {' vs '.join(sorted(found))}" for (recipe, device), found in differing]
+    if skipped:
+        lines += ["", f"skipped ({len(skipped)} cells):", *skip_lines([(r.backend, r.reason) for r in skipped])]
+    if required_missing:
+        lines += ["", "required backends that did not run:"] + [f"  {p}" for p in required_missing]
+    counts = Counter(r.status for r in rows)
+    totals = ", ".join(f"{counts[s]} {word}" for s, word in (("pass", "passed"), ("fail", "failed"),
+                                                            ("error", "errors"), ("skipped", "skipped")))
+    lines += ["", f"{totals} in {seconds:.1f} s"]
+    return "\n".join(lines) + "\n"
+
+
+def _settings(profile: DeviceProfile, cases, quick: bool, required: list[str]) -> dict:
+    return {
+        "device": profile.arch,
+        "quick": quick,
+        "recipes": list(RECIPE_NAMES),
+        "required": required,
+        "cases": [
+            {"name": c.name, "op": c.op, "shape": c.shape(), "why": c.why, "device": _case_profile(c, profile)[0].arch}
+            for c in cases
+        ],
+        "thresholds_db": {
+            "vs_fp32_e4m3": E4M3_BAR_DB,
+            "vs_fp32_e5m2": E5M2_BAR_DB,
+            "vs_fp32_high_precision": HIGH_PRECISION_BAR_DB,
+            "same_definition": SAME_DEFINITION_BAR_DB,
+        },
+    }
+
+
+def command(device: str | None, quick: bool, required: list[str], json_path: str | None, out, err) -> int:
+    """Run the matrix, print it, write ``json_path``; 1 when a case failed or a required backend did not run."""
+    profile = resolve_profile(device)
+    prepare_output(json_path)
+    cases = QUICK_CASES if quick else DEFAULT_CASES
+    started = time.perf_counter()
+    progress = Progress(len(cases) * len(RECIPE_NAMES), err)
+    try:
+        rows = run_matrix(profile, cases, RECIPE_NAMES, progress)
+    finally:
+        progress.close()
+    seconds = time.perf_counter() - started
+    missing = require_problems(rows, required, profile)
+    counts = Counter(r.status for r in rows)
+    ok = not (counts["fail"] or counts["error"] or missing)
+    out.write(render(rows, profile, cases, missing, seconds))
+    if json_path:
+        summary = {status: counts[status] for status in ("pass", "fail", "error", "skipped")}
+        summary.update(required_missing=missing, ok=ok, seconds=round(seconds, 2))
+        write_document(json_path, document("parity", environment(profile), _settings(profile, cases, quick, required),
+                                           [r.to_json() for r in rows], summary))
+        out.write(f"JSON written to {json_path}\n")
+    return 0 if ok else 1

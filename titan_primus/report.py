@@ -1,0 +1,276 @@
+"""The results file format shared by ``parity`` and ``bench`` (docs/json-schema.md), and
+``titan-primus report``: several results files side by side as Markdown, optionally a PNG.
+
+A results file is one JSON object: ``schema_version``, ``kind`` ("parity" or "bench"),
+``environment`` (date, versions, device profile; see :func:`titan_primus.doctor.environment`),
+``settings``, ``results`` (a list of rows) and ``summary``. SQNR values that are not finite are
+written as the strings "inf" (bitwise equal) and "-inf" (non-finite output), so every file is
+strict JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from pathlib import Path
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "ResultsFileError",
+    "command",
+    "db_value",
+    "document",
+    "format_db",
+    "load_document",
+    "markdown_table",
+    "parse_db",
+    "plot_sqnr_png",
+    "render_markdown",
+    "skip_lines",
+    "write_document",
+]
+
+SCHEMA_VERSION = 1
+RESULT_KINDS = ("parity", "bench")
+_TOP_LEVEL_KEYS = ("schema_version", "kind", "environment", "settings", "results", "summary")
+_ROW_KEYS = ("op", "case", "backend", "status", "reason")
+
+
+class ResultsFileError(ValueError):
+    """A results file is missing, unreadable, or not in the documented schema."""
+
+
+def document(kind: str, environment: dict, settings: dict, results: list[dict], summary: dict) -> dict:
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "kind": kind,
+        "environment": environment,
+        "settings": settings,
+        "results": results,
+        "summary": summary,
+    }
+
+
+def prepare_output(path: str | None) -> None:
+    """Create the parent folder of an output file up front, so a long run cannot end in a failed write."""
+    if path:
+        Path(path).expanduser().resolve().parent.mkdir(parents=True, exist_ok=True)
+
+
+def write_document(path: str, doc: dict) -> None:
+    prepare_output(path)
+    Path(path).write_text(json.dumps(doc, indent=2, allow_nan=False) + "\n")
+
+
+def load_document(path: str) -> dict:
+    """Read and check a results file; any problem is one ResultsFileError naming the file."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise ResultsFileError(f"{path}: cannot read it ({e.strerror or e})") from None
+    except json.JSONDecodeError as e:
+        raise ResultsFileError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(doc, dict):
+        raise ResultsFileError(f"{path}: expected a JSON object, got {type(doc).__name__}")
+    missing = [key for key in _TOP_LEVEL_KEYS if key not in doc]
+    if missing:
+        raise ResultsFileError(f"{path}: not a titan-primus results file (missing {', '.join(missing)})")
+    if doc["schema_version"] != SCHEMA_VERSION:
+        raise ResultsFileError(
+            f"{path}: schema_version {doc['schema_version']!r}; this titan-primus reads version {SCHEMA_VERSION}"
+        )
+    if doc["kind"] not in RESULT_KINDS:
+        raise ResultsFileError(f"{path}: kind {doc['kind']!r} is not one of {', '.join(RESULT_KINDS)}")
+    for i, row in enumerate(doc["results"]):
+        absent = [key for key in _ROW_KEYS if key not in row]
+        if absent:
+            raise ResultsFileError(f"{path}: results[{i}] lacks {', '.join(absent)}")
+    return doc
+
+
+def db_value(x: float) -> float | str:
+    """An SQNR for JSON: a number, or "inf"/"-inf"."""
+    return x if math.isfinite(x) else ("inf" if x > 0 else "-inf")
+
+
+def parse_db(v: float | str) -> float:
+    return float(v)
+
+
+def format_db(v: float | str | None) -> str:
+    if v is None:
+        return "-"
+    x = parse_db(v)
+    return f"{x:.1f}" if math.isfinite(x) else ("inf" if x > 0 else "-inf")
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    """A Markdown table padded to column width, so it reads in a terminal too."""
+    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows)]
+
+    def line(cells):
+        return "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"
+
+    return "\n".join([line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)])
+
+
+def skip_lines(skips: list[tuple[str, str]]) -> list[str]:
+    """One line per distinct (backend, reason) of the skipped cells, with how many there were."""
+    return [f"  {backend} x{count}: {reason}" for (backend, reason), count in Counter(skips).items()]
+
+
+# --- rendering several files side by side ---------------------------------------------------
+
+
+def _label(path: str, doc: dict) -> str:
+    device = doc["environment"].get("device", {})
+    return f"{Path(path).name} ({device.get('arch', '?')})"
+
+
+def _environment_table(labelled: list[tuple[str, dict]]) -> str:
+    fields = [
+        ("date", lambda env: env.get("date", "")),
+        ("device", lambda env: env.get("device", {}).get("description", "")),
+    ]
+    names = dict.fromkeys(name for _, doc in labelled for name in doc["environment"].get("versions", {}))
+    fields += [(name, lambda env, name=name: env.get("versions", {}).get(name) or "-") for name in names]
+    rows = [[name, *(get(doc["environment"]) for _, doc in labelled)] for name, get in fields]
+    rows.append(["summary", *(_summary_text(doc) for _, doc in labelled)])
+    return markdown_table(["", *(label for label, _ in labelled)], rows)
+
+
+def _summary_text(doc: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in doc["summary"].items() if isinstance(v, int) and not isinstance(v, bool))
+
+
+def _side_by_side(columns: list[tuple[str, list[dict]]], key, key_header: list[str], cell, group: int) -> str:
+    """One row per distinct ``key(row)``, one column per file ("-" where that file has no such row).
+    Rows whose keys share their first ``group`` fields stay together, in the order first seen."""
+    found: dict[tuple, dict[int, dict]] = {}
+    for i, (_, rows) in enumerate(columns):
+        for row in rows:
+            found.setdefault(key(row), {})[i] = row
+    groups = list(dict.fromkeys(k[:group] for k in found))
+    table = [
+        [*k, *(cell(found[k][i]) if i in found[k] else "-" for i in range(len(columns)))]
+        for k in sorted(found, key=lambda k: groups.index(k[:group]))
+    ]
+    return markdown_table([*key_header, *(label for label, _ in columns)], table)
+
+
+def _ran(labelled: list[tuple[str, dict]], kind: str, keep=lambda row: True) -> list[tuple[str, list[dict]]]:
+    return [(label, [r for r in doc["results"] if r["status"] != "skipped" and keep(r)])
+            for label, doc in labelled if doc["kind"] == kind]
+
+
+def _parity_cell(row: dict) -> str:
+    fp32 = {c["quantity"]: c["sqnr_db"] for c in row["checks"] if c["against"] == "fp32"}
+    cross = [c for c in row["checks"] if c["against"] != "fp32"]
+    text = " / ".join(format_db(fp32.get(q)) for q in ("out", "grad_input", "grad_weight"))
+    if cross:
+        text += f"; vs {cross[0]['against']} {format_db(min(parse_db(c['sqnr_db']) for c in cross))}"
+    return f"{text} {row['status']}"
+
+
+def _bench_cell(row: dict) -> str:
+    if row["status"] != "ok":
+        return row["status"]
+    parts = [f"{row['ms']:.3g} ms", f"{row['tflops']:.3g} TFLOP/s"]
+    if row.get("speedup_vs_bf16") is not None:
+        parts.append(f"{row['speedup_vs_bf16']:.2f}x bf16")
+    if row.get("fraction_of_peak") is not None:
+        parts.append(f"{100 * row['fraction_of_peak']:.0f}% peak")
+    return ", ".join(parts)
+
+
+def render_markdown(labelled: list[tuple[str, dict]]) -> str:
+    """``labelled`` is [(column label, results document)]; parity and bench files may be mixed.
+    Cells that did not run (skipped) are "-"; each file's reasons are in its JSON and console output."""
+    out = ["# titan-primus results", "", _environment_table(labelled)]
+    if any(doc["kind"] == "parity" for _, doc in labelled):
+        out += [
+            "", "## Parity: what backend=\"auto\" runs, SQNR vs fp32 in dB (out / grad_input / grad_weight)", "",
+            _side_by_side(_ran(labelled, "parity", lambda r: r["routed"]), lambda r: (r["op"], r["recipe"], r["case"]),
+                          ["op", "recipe", "case"], lambda r: f"{r['backend']}: {_parity_cell(r)}", group=2),
+            "", "## Parity: every backend that ran (and the emulation of each definition)", "",
+            _side_by_side(_ran(labelled, "parity"),
+                          lambda r: (r["op"], r["recipe"], r["case"], f"{r['backend']} ({r['definition']})"),
+                          ["op", "recipe", "case", "backend (definition)"], _parity_cell, group=3),
+        ]
+    if any(doc["kind"] == "bench" for _, doc in labelled):
+        out += [
+            "", "## Bench: forward+backward", "",
+            _side_by_side(_ran(labelled, "bench"), lambda r: (r["op"], r["case"], r["recipe"] or "-", r["backend"]),
+                          ["op", "case", "recipe", "backend"], _bench_cell, group=2),
+        ]
+    return "\n".join(out) + "\n"
+
+
+# Headroom past this is drawn at it (bitwise-equal results have infinite SQNR).
+_PLOT_CEILING_DB = 40.0
+
+
+def _series(row: dict) -> str:
+    return f"{row['backend']} ({row.get('definition')})"
+
+
+def _headroom(row: dict) -> float:
+    """dB by which the row clears its tightest bar vs fp32 (negative: failed)."""
+    margins = [parse_db(c["sqnr_db"]) - c["threshold_db"] for c in row["checks"] if c["against"] == "fp32"]
+    return min(margins, default=-math.inf)
+
+
+def plot_sqnr_png(labelled: list[tuple[str, dict]], path: str) -> None:
+    """Per case and backend, the headroom of SQNR vs fp32 over its bar; one panel per parity file."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only, no display needed
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise ResultsFileError(f"--png needs matplotlib ({e}); pip install matplotlib") from None
+    parity = [(label, [r for r in doc["results"] if r["status"] != "skipped"])
+              for label, doc in labelled if doc["kind"] == "parity"]
+    if not parity:
+        raise ResultsFileError("--png plots parity SQNR, and none of the files is a parity run")
+    cases = list(dict.fromkeys(f"{r['op']} {r['recipe']} {r['case']}" for _, rows in parity for r in rows))
+    series = list(dict.fromkeys(_series(r) for _, rows in parity for r in rows))
+    colors = {name: f"C{i % 10}" for i, name in enumerate(series)}  # one colour per backend in every panel
+    fig, axes = plt.subplots(1, len(parity), figsize=(6 * len(parity) + 3, 0.3 * len(cases) + 2.5),
+                             squeeze=False, sharey=True)
+    height = 0.8 / len(series)
+    for ax, (label, rows) in zip(axes[0], parity):
+        for s, name in enumerate(series):
+            mine = [r for r in rows if _series(r) == name]
+            ys = [cases.index(f"{r['op']} {r['recipe']} {r['case']}") + s * height for r in mine]
+            widths = [max(min(_headroom(r), _PLOT_CEILING_DB), -_PLOT_CEILING_DB) for r in mine]
+            edges = ["red" if r["status"] != "pass" else "none" for r in mine]
+            ax.barh(ys, widths, height, color=colors[name], edgecolor=edges, linewidth=1.5, label=name)
+        ax.axvline(0, color="black", linewidth=0.8)
+        ax.set_title(label, fontsize=9)
+        ax.set_xlabel(f"dB above the bar vs fp32 (tightest of out, grad_input, grad_weight; capped at {_PLOT_CEILING_DB:g})",
+                      fontsize=7)
+    axes[0, 0].set_yticks([i + 0.4 - height / 2 for i in range(len(cases))], cases, fontsize=7)
+    axes[0, 0].invert_yaxis()
+    handles, names = axes[0, 0].get_legend_handles_labels()
+    for ax in axes[0, 1:]:  # backends seen only in later panels
+        for handle, name in zip(*ax.get_legend_handles_labels()):
+            if name not in names:
+                handles.append(handle)
+                names.append(name)
+    fig.legend(handles, names, loc="lower center", ncol=min(len(names), 4), fontsize=7)
+    fig.suptitle("titan-primus parity: SQNR headroom per case and backend (below 0 or red edge = failed)", fontsize=10)
+    fig.tight_layout(rect=(0, 0.06, 1, 0.97))
+    prepare_output(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def command(paths: list[str], png: str | None, out) -> int:
+    labelled = [(_label(p, doc), doc) for p, doc in ((p, load_document(p)) for p in paths)]
+    out.write(render_markdown(labelled))
+    if png:
+        plot_sqnr_png(labelled, png)
+        out.write(f"\nPNG written to {png}\n")
+    return 0
