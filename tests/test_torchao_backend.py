@@ -22,6 +22,7 @@ def test_torchao_linear_matches_emulation(device, recipe):
     )
     assert got[0].dtype == torch.bfloat16
     assert min(sqnrs(emulated, got)) >= 40, sqnrs(emulated, got)
+    assert torch.backends.mkldnn.enabled  # oneDNN is off only inside the FP8 region
 
 
 def test_torchao_refuses_other_definitions():

@@ -38,30 +38,36 @@ def _first_attr(candidates: tuple[tuple[str, str], ...]):
     raise ImportError("; ".join(errors))
 
 
-class _WithoutOneDNN(torch.autograd.Function):
-    """Run ``fn`` forward and backward with oneDNN disabled.
+class _OneDNNSwitch(torch.autograd.Function):
+    """Identity on ``tensors`` whose backward turns oneDNN on or off.
 
     On a CPU, ``torch._scaled_mm`` dispatches its tensorwise kernel to oneDNN, which runs at
     ~0.05 GFLOP/s (seconds per backward GEMM); with oneDNN off the same math takes milliseconds
-    and e4m3fnuz works too. The flag is read when kernels dispatch, so it must be off in backward
-    as well: the inner graph is kept and differentiated under the same flag.
+    and e4m3fnuz works too. The flag is read when kernels dispatch, so it must be off in the
+    backward of the FP8 region as well: a switch after the region turns it off when backward
+    enters the region, one before the region restores it when backward leaves. (A region that
+    kept its own inner autograd graph instead would break activation checkpointing.)
     """
 
     @staticmethod
-    def forward(ctx, fn, *inputs):
-        detached = [t.detach().requires_grad_(t.requires_grad) if t is not None else None for t in inputs]
-        with torch.enable_grad(), torch.backends.mkldnn.flags(enabled=False):
-            out = fn(*detached)
-        ctx.inner = (detached, out)
-        return out.detach()
+    def forward(ctx, enabled_in_backward: bool | None, *tensors):
+        ctx.enabled_in_backward = enabled_in_backward
+        return tuple(t.view_as(t) for t in tensors)
 
     @staticmethod
-    def backward(ctx, grad_out):
-        detached, out = ctx.inner
-        wanted = [t for t in detached if t is not None and t.requires_grad]
-        with torch.backends.mkldnn.flags(enabled=False):
-            grads = iter(torch.autograd.grad(out, wanted, grad_out, allow_unused=True) if wanted else ())
-        return None, *(next(grads) if t is not None and t.requires_grad else None for t in detached)
+    def backward(ctx, *grads):
+        if ctx.enabled_in_backward is not None:
+            torch._C._set_mkldnn_enabled(ctx.enabled_in_backward)
+        return None, *grads
+
+
+def _without_onednn(fn, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    restore = torch.backends.mkldnn.enabled
+    x, weight = _OneDNNSwitch.apply(restore, x, weight)
+    with torch.backends.mkldnn.flags(enabled=False):
+        out = fn(x, weight)
+    (out,) = _OneDNNSwitch.apply(False, out)
+    return out
 
 
 class TorchAOBackend(Fp8Backend):
@@ -135,7 +141,7 @@ class TorchAOBackend(Fp8Backend):
 
         # Compiled code never reaches oneDNN's slow path: inductor lowers the FP8 GEMMs itself.
         eager_cpu = x.device.type == "cpu" and not torch.compiler.is_compiling()
-        out = _WithoutOneDNN.apply(run, x, weight) if eager_cpu else run(x, weight)
+        out = _without_onednn(run, x, weight) if eager_cpu else run(x, weight)
         return out if bias is None else out + bias.to(out.dtype)
 
     @cached_property

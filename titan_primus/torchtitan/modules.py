@@ -40,8 +40,8 @@ def check_parallelism(module: torch.nn.Module, parallel_dims, recipe: Fp8Recipe,
         raise ValueError(
             f"titan-primus: expert parallelism (degree {parallel_dims.ep}) with recipe "
             f"{recipe.describe()} is not supported: its grouped-GEMM scales span all experts, and "
-            f"each rank holds only some of them. Use recipe 'rowwise' (TorchAO definition) or "
-            f"'rowwise_with_gw_hp', or turn grouped_experts off."
+            f"each rank holds only some of them. Use recipe 'rowwise' with the TorchAO definition "
+            f"(TorchAO or the emulation on non-MI300 devices), or turn grouped_experts off."
         )
 
 

@@ -1,0 +1,86 @@
+"""The converter under TorchTitan's real parallelisms, several ranks with torchrun and gloo."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from titan_helpers import ROOT, run_trainer
+
+import titan_primus as tp
+from titan_primus.torchtitan.modules import Fp8Linear, check_parallelism
+
+pytestmark = pytest.mark.multiprocess
+HERE = Path(__file__).parent
+
+
+@pytest.mark.parametrize("model, recipe", [("llama3", "tensorwise"), ("deepseek_v3", "rowwise")])
+def test_fsdp2_equals_single_device(model, recipe):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(HERE / "fsdp_equivalence.py"), model, recipe],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert f"FSDP2 == single device: {model} {recipe}" in proc.stdout
+
+
+@pytest.mark.trainer
+def test_fsdp2_training_tracks_single_rank(tmp_path):
+    """FSDP2 over 2 ranks (local batch 2 each) against one rank (local batch 4), tensorwise
+    recipe: same init and global batch size, but TorchTitan's dataloader gives each rank its own
+    slice of the stream, so the batches differ and the gap grows with the steps. Measured on
+    llama3: 0.4%, 1.1%, 1.3%, 1.8% at steps 1-4; bound 3%. (That the FP8 math itself is the same
+    under FSDP2, tensorwise scales included, is test_fsdp2_equals_single_device, bit for bit.)"""
+    fsdp, log = run_trainer("titan_primus", "llama3_debugmodel_fp8_tensorwise", tmp_path / "fsdp", 4,
+                            "--parallelism.data_parallel_shard_degree", "2", nproc=2, batch=2)
+    single, _ = run_trainer("titan_primus", "llama3_debugmodel_fp8_tensorwise", tmp_path / "one", 4, batch=4)
+    assert "linears: 31 -> emulated (tensorwise" in log
+    for step in single:
+        assert abs(fsdp[step] - single[step]) <= 0.03 * single[step], (step, fsdp[step], single[step])
+    assert fsdp[4] < fsdp[1] - 0.5
+
+
+@pytest.mark.trainer
+def test_tensor_parallel_is_refused_before_training(tmp_path):
+    _, log = run_trainer("titan_primus", "llama3_debugmodel_fp8", tmp_path / "tp", 1,
+                         "--parallelism.tensor_parallel_degree", "2", nproc=2, expect_failure=True)
+    assert "tensor parallelism (degree 2) is not supported with FP8 layers yet" in log
+    assert "step:  1" not in log
+
+
+def test_expert_parallel_allowed_only_where_scales_stay_within_an_expert():
+    ep = SimpleNamespace(tp=1, ep=2)
+    module = Fp8Linear  # only its name is used in messages
+    cpu, mi300 = tp.device_profile("cpu"), tp.device_profile("gfx942")
+    check_parallelism(module, ep, tp.make_recipe("rowwise", "torchao", cpu), experts=True)
+    # Tensorwise scales, and rowwise_with_gw_hp's tensorwise weight cast for grad_input, cover
+    # every expert's weights at once.
+    for recipe in ("tensorwise", "rowwise_with_gw_hp"):
+        with pytest.raises(ValueError, match=f"expert parallelism .* {recipe}"):
+            check_parallelism(module, ep, tp.make_recipe(recipe, "torchao", cpu), experts=True)
+    # Primus-Turbo's grouped wgrad takes column scales over all experts' rows at once.
+    with pytest.raises(ValueError, match="scales span all experts"):
+        check_parallelism(module, ep, tp.make_recipe("rowwise", "primus_turbo", mi300), experts=True)
+    check_parallelism(module, SimpleNamespace(tp=1, ep=1), tp.make_recipe("tensorwise", "torchao", cpu), experts=True)
+
+
+@pytest.mark.trainer
+def test_checkpoint_from_fsdp2_resumes_single_rank_on_another_backend(tmp_path):
+    """Written by 2 FSDP2 ranks with the emulated backend, resumed by one rank with TorchAO's
+    real FP8 linear path (its CPU kernels): DCP reshards model and optimizer, and nothing in the
+    state dict depends on the backend. (TorchTitan cannot reshard its dataloader's state across
+    data-parallel degrees, so that one entry is not loaded.)"""
+    dump = tmp_path / "run"
+    ckpt = ("--checkpoint.enable", "--checkpoint.interval", "2")
+    first, _ = run_trainer("titan_primus", "llama3_debugmodel_fp8", dump, 2, *ckpt,
+                           "--parallelism.data_parallel_shard_degree", "2", nproc=2)
+    resumed, log = run_trainer("titan_primus", "llama3_debugmodel_fp8", dump, 3, *ckpt,
+                               "--checkpoint.exclude_from_loading", "dataloader",
+                               env={"TITAN_PRIMUS_BACKEND": "torchao"})
+    assert "linears: 31 -> torchao" in log
+    assert "step-2" in log and "Training starts at step 3" in log
+    assert sorted(resumed) == [3] and resumed[3] < first[1]
