@@ -45,8 +45,25 @@ def check_parallelism(module: torch.nn.Module, parallel_dims, recipe: Fp8Recipe,
         )
 
 
-class Fp8Linear(Linear):
+class _Fp8Module:
+    """What the FP8 modules share: the backend looked up once, at construction, and a refusal
+    of the parallelisms under which its scales would differ from one device's."""
+
+    covers_experts: bool
+
+    def bind_fp8(self, config) -> None:
+        self.fp8_backend = get_backend(config.fp8_backend)
+        self.fp8_recipe = config.fp8_recipe
+
+    def parallelize(self, parallel_dims) -> None:
+        check_parallelism(self, parallel_dims, self.fp8_recipe, experts=self.covers_experts)
+        super().parallelize(parallel_dims)
+
+
+class Fp8Linear(_Fp8Module, Linear):
     """``Linear`` whose GEMMs run in FP8 on a titan-primus backend."""
+
+    covers_experts = False
 
     @dataclass(kw_only=True, slots=True)
     class Config(Linear.Config):
@@ -57,12 +74,7 @@ class Fp8Linear(Linear):
 
     def __init__(self, config: Config):
         super().__init__(config)
-        self.fp8_backend = get_backend(config.fp8_backend)
-        self.fp8_recipe = config.fp8_recipe
-
-    def parallelize(self, parallel_dims) -> None:
-        check_parallelism(self, parallel_dims, self.fp8_recipe, experts=False)
-        super().parallelize(parallel_dims)
+        self.bind_fp8(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Local shapes: under tensor parallelism x and the weight are this rank's shards.
@@ -82,7 +94,9 @@ def fp8_experts_class(parent_cls: type[GroupedExperts]) -> type[GroupedExperts]:
     if parent_cls in _EXPERTS_CLASSES:
         return _EXPERTS_CLASSES[parent_cls]
 
-    class Fp8GroupedExperts(parent_cls):  # type: ignore[valid-type, misc]
+    class Fp8GroupedExperts(_Fp8Module, parent_cls):  # type: ignore[valid-type, misc]
+        covers_experts = True
+
         @dataclass(kw_only=True, slots=True)
         class Config(parent_cls.Config):  # type: ignore[misc, name-defined]
             fp8_backend: str
@@ -90,12 +104,7 @@ def fp8_experts_class(parent_cls: type[GroupedExperts]) -> type[GroupedExperts]:
 
         def __init__(self, config: Config):
             super().__init__(config)
-            self.fp8_backend = get_backend(config.fp8_backend)
-            self.fp8_recipe = config.fp8_recipe
-
-        def parallelize(self, parallel_dims) -> None:
-            check_parallelism(self, parallel_dims, self.fp8_recipe, experts=True)
-            super().parallelize(parallel_dims)
+            self.bind_fp8(config)
 
         def _grouped_mm(self, *, A: torch.Tensor, B_t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
             return self.fp8_backend.grouped_mm(A, B_t, offs, self.fp8_recipe)
