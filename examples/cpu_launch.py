@@ -25,68 +25,20 @@ accelerator are applied (the device is forced to CPU even if one exists); each i
 attention swap (FlexAttention -> causal SDPA) none changes the numerics.
 """
 
-import os
-import resource
-import socket
 import sys
-import types
 
-# (0) The debug configs' dataset/tokenizer are local files: never reach for the
-#     Hugging Face Hub (the machine may be offline).
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-# (1) The trainer reads LOCAL_RANK (tools/utils.get_local_device) and
-#     init_process_group needs a rendezvous: torchrun sets these; a plain
-#     `python examples/cpu_launch.py` gets a single-process world here.
-if "LOCAL_RANK" not in os.environ:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                     MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
-        os.environ.setdefault(k, v)
-
-
-def _total_ram() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def _peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-
+import cpu_world  # noqa: F401  (0) offline Hugging Face, (1) a single-process world without torchrun
 
 # (2) tools/utils.py picks `_get_available_device_type() or "cuda"`, so with no
 #     accelerator the trainer calls torch.cuda.set_device and dies. Several
 #     modules do `from torchtitan.tools.utils import device_type, device_module`
 #     at import time, so both names must be patched before anything else from
 #     torchtitan is imported. torch.cpu lacks the memory/introspection calls the
-#     trainer makes (metrics.DeviceMemoryMonitor, set_pg_timeouts' barrier uses
-#     current_device() as an int device id): this shim supplies them. The
-#     "memory" numbers it reports are the process's peak RSS.
-_cpu_module = types.SimpleNamespace(
-    is_available=lambda: True,
-    device_count=lambda: 1,
-    current_device=lambda: 0,
-    set_device=lambda device: None,
-    synchronize=lambda device=None: None,
-    empty_cache=lambda: None,
-    reset_peak_memory_stats=lambda device=None: None,
-    get_device_name=lambda device=None: "cpu",
-    get_device_properties=lambda device=None: types.SimpleNamespace(
-        name="cpu", total_memory=_total_ram()
-    ),
-    memory_stats=lambda device=None: {
-        "active_bytes.all.peak": _peak_rss(),
-        "reserved_bytes.all.peak": _peak_rss(),
-        "num_alloc_retries": 0,
-        "num_ooms": 0,
-    },
-)
+#     trainer makes: cpu_world.CPU_DEVICE_MODULE supplies them.
 
 import torchtitan.tools.utils as _tt_utils  # noqa: E402  (must follow the env setup)
 
-_tt_utils.device_type, _tt_utils.device_module = "cpu", _cpu_module
+_tt_utils.device_type, _tt_utils.device_module = "cpu", cpu_world.CPU_DEVICE_MODULE
 # gloo: distributed/utils._get_distributed_backend maps device_type through
 # torch.distributed.Backend.default_device_backend_map, so "cpu" -> "gloo"
 # follows from the patch above; nothing more is needed.
@@ -145,6 +97,12 @@ _parse_args = ConfigManager.parse_args
 def _parse_args_cpu(self, args=None):
     config = _parse_args(self, args)
     use_causal_sdpa(config.model_spec.model)
+    # (5) Expert parallelism: the default spmd_types backend's all-to-all gives the ranks
+    #     mismatched split sizes on gloo ("ProcessGroupGloo::alltoall: invalid tensor size"),
+    #     with or without titan-primus; the DTensor backend's all-to-all works.
+    if config.parallelism.expert_parallel_degree > 1 and config.parallelism.spmd_backend == "spmd_types":
+        config.parallelism.spmd_backend = "partial_dtensor"
+        print("[cpu_launch] expert parallelism on gloo: parallelism.spmd_backend = partial_dtensor")
     return config
 
 

@@ -137,3 +137,19 @@ def test_torchao_and_primus_definitions_differ_where_they_should():
     assert 20 < tp.sqnr(a, b) < math.inf
     with pytest.raises(ValueError, match="no primus_turbo definition"):
         tp.make_recipe("rowwise_with_gw_hp", "primus_turbo", device)
+
+
+def test_autocast_does_not_round_the_emulated_gemms():
+    """TorchTitan runs single-device models under bf16 autocast; the emulation must still
+    multiply in float32 (else it is no longer the exact oracle)."""
+    x = torch.randn(64, 128, dtype=torch.bfloat16)
+    w = torch.randn(96, 128)
+    g = torch.randn(64, 96)
+
+    def fn(x, w, b):
+        return tp.fp8_linear(x, w, b, backend="emulated", device="cpu")
+
+    plain = run_linear(fn, x, w, None, g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast = run_linear(fn, x, w, None, g)
+    assert all(torch.equal(a, b) for a, b in zip(plain[:3], autocast[:3]))

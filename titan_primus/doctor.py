@@ -28,7 +28,7 @@ __all__ = ["command", "describe_error", "diagnose", "environment", "profile_dict
 _PACKAGES = ("torch", "torchtitan", "torchao", "primus-turbo")
 
 
-def _installed(distribution: str) -> str | None:
+def installed_version(distribution: str) -> str | None:
     try:
         return metadata.version(distribution)
     except metadata.PackageNotFoundError:
@@ -38,7 +38,7 @@ def _installed(distribution: str) -> str | None:
 def versions() -> dict[str, str | None]:
     """Installed versions (None when absent), and the GPU runtime torch was built for."""
     found = {"python": platform.python_version(), "titan-primus": __version__}
-    found.update({name: _installed(name) for name in _PACKAGES})
+    found.update({name: installed_version(name) for name in _PACKAGES})
     found["torch HIP build"] = torch.version.hip
     found["torch CUDA build"] = torch.version.cuda
     return found

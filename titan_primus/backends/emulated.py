@@ -30,9 +30,20 @@ def _backward_source(t: torch.Tensor, forward_cast, recipe: Fp8Recipe, contract_
     return t
 
 
+def _no_autocast(t: torch.Tensor):
+    """The emulated GEMMs must run in float32 even where the model runs under autocast (TorchTitan
+    enables bf16 autocast on a single device): a bf16 matmul would round the exact result."""
+    return torch.autocast(device_type=t.device.type, enabled=False)
+
+
 class _EmulatedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, recipe: Fp8Recipe):
+        with _no_autocast(x):
+            return _EmulatedLinear._forward(ctx, x, weight, bias, recipe)
+
+    @staticmethod
+    def _forward(ctx, x, weight, bias, recipe: Fp8Recipe):
         ctx.save_for_backward(x, weight)
         ctx.recipe = recipe
         ctx.has_bias = bias is not None
@@ -44,6 +55,11 @@ class _EmulatedLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        with _no_autocast(grad_out):
+            return _EmulatedLinear._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
         recipe = ctx.recipe
         x = _backward_source(x, recipe.output.a, recipe, 1)

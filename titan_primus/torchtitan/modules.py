@@ -14,35 +14,11 @@ import torch
 from torchtitan.models.common.linear import Linear
 from torchtitan.models.common.moe import GroupedExperts
 
+from ..conversion import check_parallelism
 from ..recipes import Fp8Recipe
 from ..registry import get_backend
 
-__all__ = ["Fp8Linear", "fp8_experts_class", "check_parallelism"]
-
-
-def check_parallelism(module: torch.nn.Module, parallel_dims, recipe: Fp8Recipe, *, experts: bool) -> None:
-    """Refuse, before the first step, the parallelisms under which this module's FP8 scales
-    would be computed over part of a tensor and silently differ from a single device's.
-
-    FSDP is fine: it all-gathers the full weight before each forward. Tensor parallelism hands
-    each rank a shard (local tensors), so amaxes would cover shards only. Expert parallelism
-    is fine when every grouped-GEMM scale covers a single expert's data.
-    """
-    name = type(module).__name__
-    if parallel_dims.tp > 1:
-        raise ValueError(
-            f"titan-primus: tensor parallelism (degree {parallel_dims.tp}) is not supported with FP8 "
-            f"layers yet: each rank's {name} would compute FP8 scales over its shard only, so the "
-            f"numerics would differ from one device. Use FSDP (data_parallel_shard_degree) with the "
-            f"converter, or keep TP-sharded layers in high precision with filter_fqns."
-        )
-    if experts and parallel_dims.ep > 1 and not recipe.grouped_scales_per_expert:
-        raise ValueError(
-            f"titan-primus: expert parallelism (degree {parallel_dims.ep}) with recipe "
-            f"{recipe.describe()} is not supported: its grouped-GEMM scales span all experts, and "
-            f"each rank holds only some of them. Use recipe 'rowwise' with the TorchAO definition "
-            f"(TorchAO or the emulation on non-MI300 devices), or turn grouped_experts off."
-        )
+__all__ = ["Fp8Linear", "fp8_experts_class"]
 
 
 class _Fp8Module:
@@ -56,7 +32,7 @@ class _Fp8Module:
         self.fp8_recipe = config.fp8_recipe
 
     def parallelize(self, parallel_dims) -> None:
-        check_parallelism(self, parallel_dims, self.fp8_recipe, experts=self.covers_experts)
+        check_parallelism(type(self).__name__, parallel_dims, self.fp8_recipe, experts=self.covers_experts)
         super().parallelize(parallel_dims)
 
 

@@ -1,0 +1,54 @@
+"""What both CPU launchers (TorchTitan 0.3's examples/cpu_launch.py and 0.2.x's
+examples/torchtitan02/cpu_launch.py) set up before TorchTitan is imported. Importing it:
+
+(0) keeps the Hugging Face libraries offline: the debug configs' dataset and tokenizer are local
+    files, and the machine may have no network;
+(1) gives a plain ``python`` run a single-process world (RANK, LOCAL_RANK, WORLD_SIZE,
+    MASTER_ADDR/PORT): the trainer reads LOCAL_RANK and init_process_group needs a rendezvous,
+    which torchrun would provide.
+
+``CPU_DEVICE_MODULE`` stands in for torch.cuda: torch.cpu lacks the memory and introspection
+calls the trainer makes (metrics' DeviceMemoryMonitor, set_pg_timeouts' barrier uses
+current_device() as an integer device id). Its "memory" numbers are the process's peak RSS.
+"""
+
+import os
+import resource
+import socket
+import types
+
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+if "LOCAL_RANK" not in os.environ:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
+        os.environ.setdefault(key, value)
+
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+CPU_DEVICE_MODULE = types.SimpleNamespace(
+    is_available=lambda: True,
+    device_count=lambda: 1,
+    current_device=lambda: 0,
+    set_device=lambda device: None,
+    synchronize=lambda device=None: None,
+    empty_cache=lambda: None,
+    reset_peak_memory_stats=lambda device=None: None,
+    get_device_name=lambda device=None: "cpu",
+    get_device_properties=lambda device=None: types.SimpleNamespace(
+        name="cpu", total_memory=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    ),
+    memory_stats=lambda device=None: {
+        "active_bytes.all.peak": _peak_rss(),
+        "reserved_bytes.all.peak": _peak_rss(),
+        "num_alloc_retries": 0,
+        "num_ooms": 0,
+    },
+)

@@ -1,0 +1,47 @@
+"""The TorchTitan 0.2.x suite: run it in .venv-tt02 (``make test-tt02``), never beside 0.3."""
+
+import os
+import sys
+from importlib.metadata import version
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+# tt02_helpers (here), the 0.2 CPU launcher (examples/torchtitan02) and the Primus-Turbo test
+# double shared with the main suite (tests/doubles).
+sys.path[:0] = [str(Path(__file__).parent), str(ROOT / "examples" / "torchtitan02"), str(ROOT / "tests")]
+
+# Third-party plugins installed on a developer machine must not change what the suite tests.
+os.environ.setdefault("TITAN_PRIMUS_DISABLE_PLUGIN_AUTOLOAD", "1")
+
+if not version("torchtitan").startswith("0.2."):
+    raise pytest.UsageError(
+        f"tests_tt02 tests the TorchTitan 0.2.x adapter, but torchtitan {version('torchtitan')} is installed: "
+        f"run `make test-tt02`, which builds .venv-tt02 with torchtitan 0.2.2"
+    )
+
+# Before anything imports torchtitan: the launcher's CPU workarounds apply when first imported.
+import cpu_launch  # noqa: E402,F401
+
+
+@pytest.fixture(autouse=True)
+def _seed_and_fresh_routing(monkeypatch):
+    from titan_primus import registry
+
+    torch.manual_seed(0)
+    monkeypatch.delenv("TITAN_PRIMUS_BACKEND", raising=False)
+    registry.refresh()
+    yield
+    registry.refresh()
+
+
+@pytest.fixture(autouse=True)
+def _restore_token_group_alignment():
+    """Converting experts for TorchAO sets TorchTitan 0.2's global token-group alignment."""
+    import torchtitan.models.moe.utils as moe_utils
+
+    saved = moe_utils.TOKEN_GROUP_ALIGN_SIZE_M
+    yield
+    moe_utils.TOKEN_GROUP_ALIGN_SIZE_M = saved

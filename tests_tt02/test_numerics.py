@@ -1,0 +1,121 @@
+"""The 0.2 adapter computes what the 0.3 path computes on the same weights and inputs.
+
+The 0.3 path is the shared core: the 0.3 adapter's modules call the same backends with the same
+recipes that ``titan_primus.fp8_linear`` and ``titan_primus.fp8_grouped_mm`` route to, on the
+operands TorchTitan 0.3's ``GroupedExperts.forward`` passes (bf16 A, transposed bf16 weights,
+int32 end offsets). TorchTitan 0.3 cannot be installed beside 0.2, so those public ops stand in
+for it here: forward outputs and every gradient must agree to >= 40 dB.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torchtitan.models.moe.utils as moe_utils
+from doubles import primus_turbo_double
+from tt02_helpers import convert, materialize, meta_model
+
+import titan_primus as tp
+from titan_primus.torchtitan02 import Fp8GroupedExperts, Fp8Linear
+
+MIN_DB = 40.0
+
+# (backend, device profile, recipe): the emulation under both recipe definitions (torchao on
+# cpu, Primus-Turbo's on MI300-class profiles) and Primus-Turbo itself through its test double.
+CASES = [
+    ("emulated", "cpu", "tensorwise"),
+    ("emulated", "cpu", "rowwise"),
+    ("emulated", "cpu", "rowwise_with_gw_hp"),
+    ("emulated", "gfx942", "tensorwise"),
+    ("emulated", "gfx942", "rowwise"),
+    ("primus_turbo", "gfx942", "rowwise"),
+    ("primus_turbo", "gfx950", "tensorwise"),
+]
+
+# Unaligned groups, empty groups (first, middle, last): what TorchTitan's router hands experts.
+TOKENS_PER_EXPERT = [0, 5, 17, 0, 3, 9, 13, 0]
+
+
+@pytest.fixture
+def backend_for(monkeypatch):
+    def setup(backend: str, device: str) -> None:
+        if backend == "primus_turbo":
+            primus_turbo_double.install(monkeypatch, arch=device)
+            tp.registry.refresh()
+
+    return setup
+
+
+def converted_module(model_name: str, fqn: str, backend: str, device: str, recipe: str):
+    model = meta_model(model_name)
+    convert(model, backend=backend, device=device, recipe=recipe, strict=True)
+    return materialize(model).get_submodule(fqn)
+
+
+def leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().clone().requires_grad_(True)
+
+
+def assert_close_db(reference: torch.Tensor, actual: torch.Tensor, what: str) -> None:
+    db = tp.sqnr(reference, actual)
+    assert db >= MIN_DB, f"{what}: {db:.1f} dB"
+
+
+@pytest.mark.parametrize("backend, device, recipe", CASES)
+def test_fp8_linear_matches_the_shared_op(backend, device, recipe, backend_for):
+    backend_for(backend, device)
+    module = converted_module("llama3", "layers.0.feed_forward.w1", backend, device, recipe)
+    assert isinstance(module, Fp8Linear)
+    x = torch.randn(2, 24, module.in_features)
+
+    x1 = leaf(x)
+    out = module(x1)
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+
+    x2, w2 = leaf(x), leaf(module.weight)
+    ref = tp.fp8_linear(x2, w2, None, recipe=recipe, backend=backend, device=device)
+    ref.backward(grad_out)
+
+    assert_close_db(ref, out, "output")
+    assert_close_db(x2.grad, x1.grad, "grad_input")
+    assert_close_db(w2.grad, module.weight.grad, "grad_weight")
+
+
+def reference_experts(x, w1, w2, w3, offs, **op):
+    """TorchTitan 0.3's GroupedExperts.forward with its _grouped_mm seam on titan_primus."""
+
+    def grouped_mm(A, w):
+        return tp.fp8_grouped_mm(A, w.bfloat16().transpose(-2, -1), offs, **op)
+
+    h = F.silu(grouped_mm(x.bfloat16(), w1)) * grouped_mm(x.bfloat16(), w3)
+    return grouped_mm(h, w2).type_as(x)
+
+
+@pytest.mark.parametrize("pad_token_groups", [False, True], ids=["ragged", "padded"])
+@pytest.mark.parametrize("backend, device, recipe", CASES)
+def test_fp8_experts_match_the_shared_op(backend, device, recipe, pad_token_groups, backend_for):
+    """Ragged groups, as routed for the emulation and Primus-Turbo; padded to 16, as routed for
+    TorchAO (forced here, since TorchAO's grouped GEMM has no CPU kernel): padding is exact."""
+    backend_for(backend, device)
+    experts = converted_module("deepseek_v3", "layers.1.moe.experts", backend, device, recipe)
+    assert isinstance(experts, Fp8GroupedExperts)
+    if pad_token_groups:
+        experts.pad_token_groups = True
+        moe_utils.set_token_group_alignment_size_m(16)
+    counts = torch.tensor(TOKENS_PER_EXPERT)
+    x = torch.randn(int(counts.sum()), experts.w1.shape[2])
+
+    x1 = leaf(x)
+    out = experts(x1, counts)
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+
+    x2, w1, w2, w3 = (leaf(t) for t in (x, experts.w1, experts.w2, experts.w3))
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    ref = reference_experts(x2, w1, w2, w3, offs, recipe=recipe, backend=backend, device=device)
+    ref.backward(grad_out)
+
+    assert_close_db(ref, out, "output")
+    assert_close_db(x2.grad, x1.grad, "grad_input")
+    for name, w in (("w1", w1), ("w2", w2), ("w3", w3)):
+        assert_close_db(w.grad, getattr(experts, name).grad, f"grad {name}")

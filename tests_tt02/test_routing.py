@@ -1,0 +1,102 @@
+"""Routing on named device profiles: the 0.2 adapter picks what the 0.3 adapter picks, fixes it
+in the swapped modules at conversion, and pads token groups only for TorchAO."""
+
+import logging
+
+import pytest
+import torch
+import torchtitan.models.moe.utils as moe_utils
+from doubles import primus_turbo_double
+from tt02_helpers import convert, meta_model, parallel_dims
+
+import titan_primus as tp
+from titan_primus.torchtitan02 import Fp8GroupedExperts, Fp8Linear
+
+
+def routes(report) -> dict[str, str]:
+    return {op: d.backend_name for op, d in report.decisions.items()}
+
+
+def fp8_modules(model) -> list:
+    return [m for m in model.modules() if isinstance(m, (Fp8Linear, Fp8GroupedExperts))]
+
+
+@pytest.mark.parametrize(
+    "device, recipe, expected",
+    [
+        ("cpu", "rowwise", {"linear": "emulated", "grouped_mm": "emulated"}),
+        ("sm90", "rowwise", {"linear": "torchao", "grouped_mm": "torchao"}),
+        ("gfx950", "rowwise", {"linear": "torchao", "grouped_mm": "torchao"}),
+        # TorchAO's grouped GEMM is rowwise only: tensorwise experts take the emulation.
+        ("gfx942", "tensorwise", {"linear": "torchao", "grouped_mm": "emulated"}),
+    ],
+)
+def test_routing_on_profiles_without_primus_turbo(device, recipe, expected):
+    model = meta_model("deepseek_v3")
+    report = convert(model, device=device, recipe=recipe).report
+    assert routes(report) == expected
+    for module in fp8_modules(model):
+        op = "grouped_mm" if isinstance(module, Fp8GroupedExperts) else "linear"
+        assert module.fp8_backend is report.decisions[op].backend  # decided once, held by the module
+        assert module.fp8_recipe == report.decisions[op].recipe
+    if device == "gfx942":
+        assert "Primus-Turbo is not importable" in dict(report.decisions["linear"].passed_over)["primus_turbo"]
+        assert report.decisions["linear"].recipe.e4m3 == torch.float8_e4m3fnuz
+
+
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
+def test_routing_on_mi300_with_primus_turbo(arch, monkeypatch):
+    primus_turbo_double.install(monkeypatch, arch=arch)
+    tp.registry.refresh()
+    model = meta_model("deepseek_v3")
+    report = convert(model, device=arch).report
+    assert routes(report) == {"linear": "primus_turbo", "grouped_mm": "primus_turbo"}
+    assert report.decisions["linear"].recipe.definition == "primus_turbo"
+    # Primus-Turbo takes ragged token groups: TorchTitan's alignment and the experts are left alone.
+    assert moe_utils.TOKEN_GROUP_ALIGN_SIZE_M == 8
+    assert not any(m.pad_token_groups for m in model.modules() if isinstance(m, Fp8GroupedExperts))
+    # rowwise_with_gw_hp has no Primus-Turbo equivalent: it falls back, saying why.
+    report = convert(meta_model("deepseek_v3"), device=arch, recipe="rowwise_with_gw_hp").report
+    assert routes(report) == {"linear": "torchao", "grouped_mm": "emulated"}
+
+
+def test_torchao_experts_pad_token_groups_to_16():
+    model = meta_model("deepseek_v3")
+    convert(model, device="sm90")
+    experts = [m for m in model.modules() if isinstance(m, Fp8GroupedExperts)]
+    assert experts and all(m.pad_token_groups for m in experts)
+    assert moe_utils.TOKEN_GROUP_ALIGN_SIZE_M == 16
+
+
+def test_strict_refuses_a_fallback_and_default_logs_it(caplog):
+    with pytest.raises(tp.BackendUnavailableError, match="strict=True: primus_turbo.*not importable"):
+        convert(meta_model("llama3"), device="gfx942", strict=True)
+    with pytest.raises(tp.BackendUnavailableError, match="MI300-class"):
+        convert(meta_model("llama3"), device="cpu", backend="primus_turbo", strict=True)
+    with caplog.at_level(logging.WARNING, logger="titan_primus"):
+        report = convert(meta_model("llama3"), device="cpu", backend="primus_turbo").report
+    assert routes(report) == {"linear": "emulated"}
+    assert "falling back to automatic routing" in caplog.text
+
+
+def test_backend_requested_by_name_and_by_environment(monkeypatch):
+    assert routes(convert(meta_model("deepseek_v3"), device="sm90", backend="emulated").report) == {
+        "linear": "emulated", "grouped_mm": "emulated"
+    }
+    monkeypatch.setenv("TITAN_PRIMUS_BACKEND", "emulated")
+    assert routes(convert(meta_model("llama3"), device="sm90").report) == {"linear": "emulated"}
+
+
+def test_parallelisms_that_would_change_the_numerics_are_refused_at_conversion():
+    """As the 0.3 adapter does: FSDP is fine, TP is not, EP only with per-expert scales."""
+    convert(meta_model("deepseek_v3"), parallel_dims(world_size=8))  # FSDP 8
+    with pytest.raises(ValueError, match=r"tensor parallelism \(degree 2\).*Fp8Linear"):
+        convert(meta_model("llama3"), parallel_dims(world_size=2, tp=2))
+    # TP with every linear kept in high precision converts nothing, so nothing to refuse.
+    convert(meta_model("llama3"), parallel_dims(world_size=2, tp=2), linears=False)
+
+    ep = parallel_dims(world_size=4, ep=4)
+    convert(meta_model("deepseek_v3"), ep, recipe="rowwise")  # TorchAO definition: per-expert scales
+    with pytest.raises(ValueError, match=r"expert parallelism \(degree 4\) with recipe tensorwise"):
+        convert(meta_model("deepseek_v3"), ep, recipe="tensorwise")
+    convert(meta_model("deepseek_v3"), ep, recipe="tensorwise", grouped_experts=False)

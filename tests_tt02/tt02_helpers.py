@@ -1,0 +1,87 @@
+"""Build TorchTitan 0.2.x debug models the way its trainer does, convert them, and run its
+real trainer on a CPU."""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from torchtitan.config import JobConfig
+from torchtitan.distributed import ParallelDims
+from torchtitan.protocols.train_spec import get_train_spec
+
+from titan_primus.conversion import ConversionOptions
+from titan_primus.torchtitan02 import Float8Converter
+
+MODELS = ["llama3", "deepseek_v3"]
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples" / "torchtitan02"
+LOSS = re.compile(r"step:\s*(\d+)\s.*?loss:\s*([0-9.]+)")
+
+
+def meta_model(name: str, flavor: str = "debugmodel") -> torch.nn.Module:
+    """The model as the trainer builds it before converters run: on the meta device, its args
+    updated from a default job config (on a CPU, MoE experts then take the per-expert loop)."""
+    spec = get_train_spec(name)
+    args = copy.deepcopy(spec.model_args[flavor])
+    args.update_from_config(JobConfig())
+    with torch.device("meta"):
+        return spec.model_cls(args)
+
+
+def parallel_dims(world_size: int = 1, **degrees) -> ParallelDims:
+    """TorchTitan's ParallelDims for ``degrees`` (tp=, ep=, ...); FSDP takes the rest."""
+    dims = dict(dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=1, etp=1) | degrees
+    return ParallelDims(**dims, world_size=world_size)
+
+
+def convert(model: torch.nn.Module, dims: ParallelDims | None = None, **options) -> Float8Converter:
+    """Run the converter as TorchTitan does, with ``options`` as the [titan_primus] section."""
+    job_config = SimpleNamespace(titan_primus=ConversionOptions(**options))
+    converter = Float8Converter(job_config, dims or parallel_dims())
+    converter.convert(model)
+    return converter
+
+
+def materialize(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Allocate on the CPU and initialise, as the trainer does after parallelising."""
+    model.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model.init_weights(buffer_device=torch.device("cpu"))
+    return model
+
+
+def tokens(vocab_size: int = 2048, batch: int = 2, seq: int = 64, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, vocab_size, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+
+def stock_toml(fp8_toml: Path, directory: Path) -> Path:
+    """The example config without the converter: TorchTitan's stock model, otherwise identical."""
+    text = fp8_toml.read_text()
+    assert 'converters = ["titan_primus.float8"]' in text
+    path = directory / f"stock_{fp8_toml.name}"
+    path.write_text(text.replace('converters = ["titan_primus.float8"]', "converters = []"))
+    return path
+
+
+def run_trainer(toml: Path, dump: Path, steps: int, *extra: str, seq_len: int = 128) -> tuple[dict[int, float], str]:
+    """TorchTitan 0.2's real trainer through the CPU launcher; returns ({step: loss}, log)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [
+        sys.executable, str(EXAMPLES / "cpu_launch.py"), "--job.config_file", str(toml),
+        "--training.steps", str(steps), "--training.seq_len", str(seq_len), "--training.local_batch_size", "2",
+        "--job.dump_folder", str(dump), "--debug.seed", "42", *extra,
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    log = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        raise AssertionError(f"trainer failed ({proc.returncode}):\n{log[-6000:]}")
+    return {int(s): float(v) for s, v in LOSS.findall(re.sub(r"\x1b\[[0-9;]*m", "", log))}, log

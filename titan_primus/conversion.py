@@ -1,0 +1,249 @@
+"""What an FP8 model converter decides for each layer, and the report of it.
+
+TorchTitan-independent: each TorchTitan adapter walks its model its own way (0.3 rewrites the
+config tree, 0.2.x swaps modules on the meta model) and asks one :class:`LayerRouter`, layer by
+layer, whether a linear or an MoE expert block runs in FP8 and on which backend. So both lines
+take the same options, make the same decisions and print the same report.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Literal
+
+from .backends.base import Op
+from .device import DeviceProfile, device_profile, resolve_device
+from .recipes import Fp8Recipe, check_recipe_name
+from .registry import backends, get_backend
+from .routing import BackendUnavailableError, RoutingDecision, select_backend
+
+__all__ = [
+    "ConversionOptions",
+    "ConversionReport",
+    "LayerRoute",
+    "LayerRouter",
+    "check_parallelism",
+    "group_alignment",
+    "keep_fp8_cast_rounding_under_inductor",
+    "too_small_for_fp8",
+]
+
+logger = logging.getLogger("titan_primus")
+
+# Token-group alignment a backend's FP8 grouped GEMM needs. TorchAO's needs every group padded
+# to a multiple of 16; Primus-Turbo and the emulation take ragged groups.
+_GROUP_ALIGNMENT = {"torchao": 16}
+
+
+def group_alignment(backend_name: str) -> int | None:
+    """Multiple that every token group must be padded to for ``backend_name``'s grouped GEMM,
+    or None when it takes ragged groups."""
+    return _GROUP_ALIGNMENT.get(backend_name)
+
+
+def too_small_for_fp8(recipe: str, k: int, n: int) -> bool:
+    """Linears whose FP8 GEMMs are not faster than bf16, per TorchAO's H100 measurements
+    (torchao/float8 README performance tables; the heuristic TorchAO's _auto_filter_for_recipe
+    uses). Measured on H100 only."""
+    if recipe == "tensorwise":
+        return k <= 4096 and n <= 1024
+    return n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048)
+
+
+def check_parallelism(layer: str, parallel_dims, recipe: Fp8Recipe, *, experts: bool) -> None:
+    """Refuse, before the first step, the parallelisms under which an FP8 ``layer``'s scales
+    would be computed over part of a tensor and silently differ from a single device's.
+
+    ``parallel_dims``: TorchTitan's ParallelDims (its ``tp`` and ``ep`` degrees). FSDP is fine:
+    it all-gathers the full weight before each forward. Tensor parallelism hands each rank a
+    shard (local tensors), so amaxes would cover shards only. Expert parallelism is fine when
+    every grouped-GEMM scale covers a single expert's data.
+    """
+    if parallel_dims.tp > 1:
+        raise ValueError(
+            f"titan-primus: tensor parallelism (degree {parallel_dims.tp}) is not supported with FP8 "
+            f"layers yet: each rank's {layer} would compute FP8 scales over its shard only, so the "
+            f"numerics would differ from one device. Use FSDP (data_parallel_shard_degree) with the "
+            f"converter, or keep TP-sharded layers in high precision with filter_fqns."
+        )
+    if experts and parallel_dims.ep > 1 and not recipe.grouped_scales_per_expert:
+        raise ValueError(
+            f"titan-primus: expert parallelism (degree {parallel_dims.ep}) with recipe "
+            f"{recipe.describe()} is not supported: its grouped-GEMM scales span all experts, and "
+            f"each rank holds only some of them. Use recipe 'rowwise' with the TorchAO definition "
+            f"(TorchAO or the emulation on non-MI300 devices), or turn grouped_experts off."
+        )
+
+
+def keep_fp8_cast_rounding_under_inductor() -> None:
+    """Without this, inductor fuses away the FP8 casts' rounding and compiled numerics drift from
+    eager (pytorch/pytorch#150859; TorchTitan's own float8 converters set it too). Set whether or
+    not compile is on: converters run before every compile option is known."""
+    import torch._inductor.config
+
+    torch._inductor.config.emulate_precision_casts = True
+
+
+@dataclass(kw_only=True)
+class ConversionOptions:
+    """What to convert to FP8, and on which backend. Field names are the converter options of
+    both TorchTitan lines (0.3's ``Float8Converter.Config``, 0.2.x's ``[titan_primus]`` section)."""
+
+    backend: str = "auto"
+    """"auto" (Primus-Turbo on MI300-class GPUs, TorchAO on other FP8 GPUs, else the
+    emulation), or one of "primus_turbo", "torchao", "emulated" (or a plugin backend)."""
+    recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "rowwise"
+    """FP8 recipe, as TorchAO names them."""
+    linears: bool = True
+    """Convert linear layers."""
+    grouped_experts: bool = True
+    """Convert MoE expert blocks: their grouped GEMMs run on the backend."""
+    filter_fqns: list[str] = field(default_factory=lambda: ["router.gate"])
+    """Layers whose FQN contains any of these substrings stay in high precision. The default
+    keeps MoE router gates exact: their logits decide which experts see which tokens."""
+    auto_filter_small_kn: bool = False
+    """Keep linears too small to gain from FP8 (TorchAO's H100 thresholds) in high precision."""
+    strict: bool = False
+    """Raise instead of falling back when the device's preferred backend (or the one named in
+    ``backend``) cannot run an op."""
+    device: str | None = None
+    """Route as if on this named device profile ("gfx942", "sm90", "cpu", ...); default: the
+    detected device."""
+
+    def check(self) -> None:
+        """Raise ValueError naming the bad option. Config files reach here unchecked (TOML values
+        are not type-checked), and a string ``filter_fqns`` would silently match by character."""
+        for name in ("linears", "grouped_experts", "auto_filter_small_kn", "strict"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"FP8 option {name!r} must be true or false, got {getattr(self, name)!r}")
+        check_recipe_name(self.recipe)
+        if not isinstance(self.backend, str):
+            raise ValueError(f"FP8 option 'backend' must be a backend name or 'auto', got {self.backend!r}")
+        if self.backend != "auto":
+            get_backend(self.backend)  # unknown names fail here, with the registered ones listed
+        if not isinstance(self.filter_fqns, (list, tuple)) or not all(isinstance(f, str) for f in self.filter_fqns):
+            raise ValueError(
+                f"FP8 option 'filter_fqns' must be a list of FQN substrings such as [\"router.gate\"], "
+                f"got {self.filter_fqns!r}"
+            )
+        if self.device is not None:
+            device_profile(self.device)  # unknown names fail here, with the known profiles listed
+
+
+@dataclass(frozen=True)
+class LayerRoute:
+    fqn: str
+    kind: Literal["linear", "experts"]
+    backend: str | None
+    """Backend that runs it, or None when it stays in high precision."""
+    reason: str
+
+
+@dataclass
+class ConversionReport:
+    """What the converter did with every linear and expert block, and why."""
+
+    device: DeviceProfile
+    recipe: str
+    decisions: dict[str, RoutingDecision] = field(default_factory=dict)
+    layers: list[LayerRoute] = field(default_factory=list)
+
+    def converted(self, kind: str | None = None) -> list[LayerRoute]:
+        return [r for r in self.layers if r.backend and kind in (None, r.kind)]
+
+    def skipped(self, kind: str | None = None) -> list[LayerRoute]:
+        return [r for r in self.layers if not r.backend and kind in (None, r.kind)]
+
+    def summary(self) -> str:
+        lines = [f"titan-primus FP8 routing on {self.device.describe()}, recipe {self.recipe}:"]
+        for kind, op in (("linear", "linear"), ("experts", "grouped_mm")):
+            label = "linears" if kind == "linear" else "grouped experts"
+            counts: dict[str, int] = defaultdict(int)
+            for route in self.converted(kind):
+                counts[route.backend] += 1
+            decision = self.decisions.get(op)
+            for backend, count in counts.items():
+                lines.append(f"  {label}: {count} -> {backend} ({decision.recipe.describe()}; {decision.reason})")
+                lines += [f"    passed over {name}: {why}" for name, why in decision.passed_over]
+            by_reason: dict[str, list[str]] = defaultdict(list)
+            for route in self.skipped(kind):
+                by_reason[route.reason].append(route.fqn)
+            for reason, fqns in by_reason.items():
+                shown = ", ".join(fqns[:4]) + (f", ... ({len(fqns)} in all)" if len(fqns) > 4 else "")
+                lines.append(f"  {label} kept in high precision: {shown}: {reason}")
+        return "\n".join(lines)
+
+
+class LayerRouter:
+    """Decides, layer by layer, whether a model's GEMMs run in FP8 and on which backend.
+
+    The backend for each op is chosen once (on the first layer that needs it) and every layer
+    placed is recorded in :attr:`report`, converted or not, with the reason.
+    """
+
+    def __init__(self, options: ConversionOptions):
+        options.check()
+        self.options = options
+        self.device = resolve_device(options.device)
+        self.report = ConversionReport(self.device, options.recipe)
+
+    def decision(self, op: Op) -> RoutingDecision:
+        """The backend that runs ``op`` here, decided on first use."""
+        if op not in self.report.decisions:
+            self.report.decisions[op] = self._route(op)
+        return self.report.decisions[op]
+
+    def linear(self, fqn: str, in_features: int, out_features: int, *, unconvertible: str | None = None):
+        """The decision for the linear at ``fqn``, or None when it stays in high precision.
+        ``unconvertible``: the adapter's reason it cannot convert this layer, if any."""
+        decision = self.decision("linear")
+        reason = unconvertible or self._skip_reason(fqn, decision, "linear", in_features, out_features)
+        return self._record(fqn, "linear", decision, reason)
+
+    def experts(self, fqn: str, dim: int, hidden_dim: int, *, unconvertible: str | None = None):
+        """The decision for the expert block at ``fqn``, or None when it stays in high precision."""
+        decision = self.decision("grouped_mm")
+        # w1/w3: [R, dim] @ [dim, hidden]; w2: [R, hidden] @ [hidden, dim]
+        reason = (
+            unconvertible
+            or self._skip_reason(fqn, decision, "grouped_mm", dim, hidden_dim)
+            or self._skip_reason(fqn, decision, "grouped_mm", hidden_dim, dim)
+        )
+        return self._record(fqn, "experts", decision, reason)
+
+    def _record(self, fqn, kind, decision: RoutingDecision, reason: str | None) -> RoutingDecision | None:
+        if reason:
+            self.report.layers.append(LayerRoute(fqn, kind, None, reason))
+            return None
+        self.report.layers.append(LayerRoute(fqn, kind, decision.backend_name, decision.reason))
+        return decision
+
+    def _route(self, op: Op) -> RoutingDecision:
+        opts, device = self.options, self.device
+        try:
+            decision = select_backend(op, opts.recipe, device, opts.backend)
+        except BackendUnavailableError as e:
+            if opts.strict or opts.backend == "auto":
+                raise
+            logger.warning("titan-primus: %s; falling back to automatic routing (strict=False)", e)
+            decision = select_backend(op, opts.recipe, device, "auto")
+        if opts.strict and opts.backend == "auto":
+            preferred = max(backends().values(), key=lambda b: b.rank(device))
+            if decision.backend is not preferred:
+                why = dict(decision.passed_over).get(preferred.name, "it was not chosen")
+                raise BackendUnavailableError(
+                    f"strict=True: {preferred.name}, the preferred FP8 backend on {device.describe()}, "
+                    f"cannot run {op} with recipe {opts.recipe!r}: {why}"
+                )
+        return decision
+
+    def _skip_reason(self, fqn: str, decision: RoutingDecision, op: Op, k: int, n: int) -> str | None:
+        matched = [f for f in self.options.filter_fqns if f in fqn]
+        if matched:
+            return f"matches filter_fqns entry {matched[0]!r}"
+        if op == "linear" and self.options.auto_filter_small_kn and too_small_for_fp8(self.options.recipe, k, n):
+            return f"too small to gain from FP8 (K={k}, N={n}; auto_filter_small_kn)"
+        supported = decision.backend.supports(op, self.options.recipe, self.device, k=k, n=n)
+        return None if supported else supported.reason

@@ -1,0 +1,37 @@
+"""The TorchTitan 0.2.x adapter: a model converter named ``titan_primus.float8``. Written against
+the converter, config and MoE APIs that 0.2.0-0.2.2 share; tested with 0.2.2.
+
+Importing this module registers the converter with TorchTitan 0.2's converter registry. In a
+job's TOML::
+
+    [job]
+    custom_config_module = "titan_primus.torchtitan02"   # adds the [titan_primus] section
+    [experimental]
+    custom_import = "titan_primus.torchtitan02"          # registers the converter
+    [model]
+    converters = ["titan_primus.float8"]
+    [titan_primus]
+    recipe = "rowwise"
+
+On TorchTitan 0.3 use ``titan_primus.torchtitan`` (``--module titan_primus --config ...``).
+"""
+
+from ..doctor import installed_version
+
+try:
+    # 0.2.x's converter registry; TorchTitan 0.3 replaced it with config-tree converters.
+    from torchtitan.protocols.model_converter import register_model_converter
+except ImportError as e:
+    raise ImportError(
+        f"titan_primus.torchtitan02 is the adapter for TorchTitan 0.2.x, which has "
+        f"torchtitan.protocols.model_converter; the installed TorchTitan ({installed_version('torchtitan') or 'none'}) "
+        f"does not. On TorchTitan 0.3 use the 0.3 adapter: --module titan_primus --config <stock>_fp8"
+    ) from e
+
+from .converter import CONVERTER_NAME, Float8Converter  # noqa: E402
+from .job_config import JobConfig  # noqa: E402
+from .modules import Fp8GroupedExperts, Fp8Linear  # noqa: E402
+
+register_model_converter(Float8Converter, CONVERTER_NAME)
+
+__all__ = ["CONVERTER_NAME", "Float8Converter", "Fp8GroupedExperts", "Fp8Linear", "JobConfig"]

@@ -1,0 +1,108 @@
+"""``Float8Converter``: TorchTitan 0.2.x's way in, a model converter that swaps modules on the
+meta model so linears and MoE experts run their GEMMs on the best FP8 backend here."""
+
+from __future__ import annotations
+
+import logging
+
+from torch import nn
+from torchtitan.models.moe.moe import GroupedExperts
+from torchtitan.models.moe.utils import set_token_group_alignment_size_m
+
+from ..conversion import (
+    ConversionOptions,
+    LayerRouter,
+    check_parallelism,
+    group_alignment,
+    keep_fp8_cast_rounding_under_inductor,
+)
+from .modules import Fp8GroupedExperts, Fp8Linear
+
+__all__ = ["CONVERTER_NAME", "Float8Converter"]
+
+CONVERTER_NAME = "titan_primus.float8"
+"""The name to list in ``[model] converters``."""
+
+OPTIONS_SECTION = "titan_primus"
+
+logger = logging.getLogger("titan_primus")
+
+
+def _options(job_config) -> ConversionOptions:
+    options = getattr(job_config, OPTIONS_SECTION, None)
+    if options is None:
+        logger.info(
+            "titan-primus: no [%s] options in the job config (set [job] custom_config_module = "
+            "\"titan_primus.torchtitan02\" to read them); using the defaults", OPTIONS_SECTION,
+        )
+        return ConversionOptions()
+    if not isinstance(options, ConversionOptions):
+        raise TypeError(
+            f"job_config.{OPTIONS_SECTION} is a {type(options).__name__}, not titan-primus's ConversionOptions: "
+            f"another custom_config_module defines a [{OPTIONS_SECTION}] section"
+        )
+    return options
+
+
+def _swap(model: nn.Module, fqn: str, new: nn.Module) -> None:
+    parent_fqn, _, name = fqn.rpartition(".")
+    setattr(model.get_submodule(parent_fqn), name, new)
+
+
+class Float8Converter:
+    """Run FP8 linears and grouped MoE GEMMs on Primus-Turbo, TorchAO or the emulation,
+    whichever is best on the device, decided once at conversion time.
+
+    TorchTitan 0.2.x's ``ModelConverter`` protocol: built with ``(job_config, parallel_dims)``,
+    ``convert(model)`` in place on the meta model before parallelisation. Options come from the
+    ``[titan_primus]`` section (:class:`~titan_primus.conversion.ConversionOptions`).
+    Parallelisms that would change the FP8 numerics (tensor parallelism; expert parallelism with
+    scales across experts) are refused at conversion, before the first step.
+    """
+
+    def __init__(self, job_config, parallel_dims):
+        self.router = LayerRouter(_options(job_config))
+        self.parallel_dims = parallel_dims
+        self.report = self.router.report
+        keep_fp8_cast_rounding_under_inductor()
+
+    def convert(self, model: nn.Module) -> None:
+        options = self.router.options
+        # Listed before the swaps: named_modules() must not walk the modules being replaced.
+        modules = list(model.named_modules())
+        if options.linears:
+            for fqn, module in modules:
+                if isinstance(module, nn.Linear):
+                    self._convert_linear(model, fqn, module)
+        if options.grouped_experts:
+            for fqn, module in modules:
+                if isinstance(module, GroupedExperts):
+                    self._convert_experts(model, fqn, module)
+        logger.info(self.report.summary())
+
+    def _convert_linear(self, model: nn.Module, fqn: str, linear: nn.Linear) -> None:
+        unconvertible = None
+        if type(linear) is not nn.Linear:
+            unconvertible = f"{type(linear).__qualname__} has its own forward, which FP8 would replace"
+        decision = self.router.linear(fqn, linear.in_features, linear.out_features, unconvertible=unconvertible)
+        if decision:
+            check_parallelism(Fp8Linear.__name__, self.parallel_dims, decision.recipe, experts=False)
+            _swap(model, fqn, Fp8Linear.from_linear(linear, decision))
+
+    def _convert_experts(self, model: nn.Module, fqn: str, experts: GroupedExperts) -> None:
+        unconvertible = None
+        if type(experts) is not GroupedExperts:
+            unconvertible = f"{type(experts).__qualname__} has its own forward, which FP8 would replace"
+        _, hidden_dim, dim = experts.w1.shape
+        decision = self.router.experts(fqn, dim, hidden_dim, unconvertible=unconvertible)
+        if not decision:
+            return
+        check_parallelism(Fp8GroupedExperts.__name__, self.parallel_dims, decision.recipe, experts=True)
+        alignment = group_alignment(decision.backend_name)
+        if alignment:
+            # TorchTitan 0.2 pads token groups to one global multiple (its EP dispatch reads it too).
+            set_token_group_alignment_size_m(alignment)
+        _swap(model, fqn, Fp8GroupedExperts.from_experts(experts, decision, alignment))
+
+    def post_optimizer_hook(self, model) -> None:
+        """Nothing to do: scales are computed per GEMM call, no FP8 state outlives a step."""

@@ -1,0 +1,86 @@
+"""TorchTitan 0.2.x modules that run their GEMMs through a titan-primus backend.
+
+Each replaces a module of the meta model and takes over its parameters (same names, shapes and
+dtypes), so state dicts, checkpoints and TorchTitan's FQN-keyed parallelism plans are unchanged.
+The backend and recipe are fixed at conversion, so the forward pass does no routing.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torchtitan.models.moe.moe import GroupedExperts
+from torchtitan.models.moe.utils import indices_padding_wrapper
+
+from ..routing import RoutingDecision
+
+__all__ = ["Fp8Linear", "Fp8GroupedExperts"]
+
+
+class Fp8Linear(nn.Linear):
+    """``nn.Linear`` whose GEMMs run in FP8 on a titan-primus backend."""
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, decision: RoutingDecision) -> "Fp8Linear":
+        with torch.device("meta"):  # placeholders only: the original's parameters move over
+            fp8 = cls(linear.in_features, linear.out_features, bias=False)
+        fp8.weight, fp8.bias = linear.weight, linear.bias
+        fp8.fp8_backend, fp8.fp8_recipe = decision.backend, decision.recipe
+        return fp8.train(linear.training)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.fp8_backend.linear(x.reshape(-1, self.in_features), self.weight, self.bias, self.fp8_recipe)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, fp8={self.fp8_backend.name}:{self.fp8_recipe.describe()}"
+
+
+def _expert_parallel(weight: torch.Tensor) -> bool:
+    return isinstance(weight, DTensor) and "ep" in weight.device_mesh.mesh_dim_names
+
+
+class Fp8GroupedExperts(GroupedExperts):
+    """MoE experts (params ``w1/w2/w3``) whose three grouped GEMMs run in FP8 on a backend.
+
+    TorchTitan 0.2.x has no grouped-GEMM seam to override (0.3's ``_grouped_mm``): its forward
+    calls the module-level ``_run_experts_grouped_mm``, so this forward is that function with
+    each ``torch._grouped_mm`` replaced by the backend's, on the same operands. Two differences:
+    token groups are padded only for a backend that needs aligned groups (TorchTitan pads them
+    for ``torch._grouped_mm``; padding rows are zeros and change no result), and the experts
+    always run grouped (``use_grouped_mm=False`` only picks TorchTitan's high-precision loop).
+    """
+
+    @classmethod
+    def from_experts(cls, experts: GroupedExperts, decision: RoutingDecision, group_alignment: int | None):
+        num_experts, hidden_dim, dim = experts.w1.shape
+        with torch.device("meta"):
+            fp8 = cls(dim, hidden_dim, num_experts, experts.use_grouped_mm)
+        fp8.w1, fp8.w2, fp8.w3 = experts.w1, experts.w2, experts.w3
+        fp8.fp8_backend, fp8.fp8_recipe = decision.backend, decision.recipe
+        fp8.pad_token_groups = group_alignment is not None
+        return fp8.train(experts.training)
+
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        # DTensor parameters become local tensors, as in GroupedExperts: EP inputs are dynamic-shape.
+        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
+        run = self._run_grouped
+        # Pad token groups only for a backend that needs aligned groups (the converter has set
+        # TorchTitan's alignment to its multiple). Under EP the token dispatch already pads them.
+        if self.pad_token_groups and not _expert_parallel(self.w1):
+            run = indices_padding_wrapper(run)
+        return run(w1, w2, w3, x, num_tokens_per_expert)
+
+    def _run_grouped(self, w1, w2, w3, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        offs = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
+        grouped_mm, recipe = self.fp8_backend.grouped_mm, self.fp8_recipe
+        # x is cast once per GEMM, as TorchTitan does: x's gradient then sums the two branches
+        # in x's dtype, not in bf16.
+        h = F.silu(grouped_mm(x.bfloat16(), w1.bfloat16().transpose(-2, -1), offs, recipe))
+        h = h * grouped_mm(x.bfloat16(), w3.bfloat16().transpose(-2, -1), offs, recipe)
+        return grouped_mm(h, w2.bfloat16().transpose(-2, -1), offs, recipe).type_as(x)
+
+    def extra_repr(self) -> str:
+        return f"fp8={self.fp8_backend.name}:{self.fp8_recipe.describe()}"
