@@ -9,6 +9,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 # Third-party plugins installed on a developer machine must not change what the suite tests.
 os.environ.setdefault("TITAN_PRIMUS_DISABLE_PLUGIN_AUTOLOAD", "1")
 
+from isolation import _seed_and_fresh_routing  # noqa: E402,F401  (autouse fixture)
+
 
 def pytest_collection_modifyitems(config, items):
     """Real-hardware tests run only where that hardware is (the MI300X / CUDA CI workflows)."""
@@ -21,13 +23,3 @@ def pytest_collection_modifyitems(config, items):
         if "cuda" in item.keywords and not (device.kind == "cuda" and device.fp8_hardware):
             item.add_marker(pytest.mark.skip(reason=f"needs an NVIDIA SM89+ GPU; this is {device.arch}"))
 
-
-@pytest.fixture(autouse=True)
-def _seed_and_fresh_routing(monkeypatch):
-    from titan_primus import registry
-
-    torch.manual_seed(0)
-    monkeypatch.delenv("TITAN_PRIMUS_BACKEND", raising=False)
-    registry.refresh()
-    yield
-    registry.refresh()

@@ -26,15 +26,7 @@ if not version("torchtitan").startswith("0.2."):
 import cpu_launch  # noqa: E402,F401
 
 
-@pytest.fixture(autouse=True)
-def _seed_and_fresh_routing(monkeypatch):
-    from titan_primus import registry
-
-    torch.manual_seed(0)
-    monkeypatch.delenv("TITAN_PRIMUS_BACKEND", raising=False)
-    registry.refresh()
-    yield
-    registry.refresh()
+from isolation import _seed_and_fresh_routing  # noqa: E402,F401  (autouse fixture)
 
 
 @pytest.fixture(autouse=True)

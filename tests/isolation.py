@@ -1,0 +1,15 @@
+"""The fixture both suites (tests/, tests_tt02/) use so no test sees another's routing state."""
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def _seed_and_fresh_routing(monkeypatch):
+    from titan_primus import registry
+
+    torch.manual_seed(0)
+    monkeypatch.delenv("TITAN_PRIMUS_BACKEND", raising=False)
+    registry.refresh()  # plugins registered or doubles installed by a test leave with it
+    yield
+    registry.refresh()
