@@ -6,7 +6,6 @@ from importlib.metadata import version
 from pathlib import Path
 
 import pytest
-import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 # tt02_helpers (here), the 0.2 CPU launcher (examples/torchtitan02) and the Primus-Turbo test
