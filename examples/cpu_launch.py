@@ -20,9 +20,10 @@ needs a C compiler), ``--debug.seed 42`` for a reproducible init.
 then sets the torchrun environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR,
 MASTER_PORT) itself. Use ``OMP_NUM_THREADS=1`` on a 2-core machine.
 
-Only the workarounds TorchTitan 0.3.0 needs on a machine without an
-accelerator are applied (the device is forced to CPU even if one exists); each is explained where it is made. Apart from the
-attention swap (FlexAttention -> causal SDPA) none changes the numerics.
+Only the workarounds TorchTitan 0.3.0 needs on a machine without an accelerator
+(and with gloo for several ranks) are applied; the device is forced to CPU even if
+one exists. Each is explained where it is made. Apart from the attention swap
+(FlexAttention -> causal SDPA) none changes the numerics.
 """
 
 import sys
