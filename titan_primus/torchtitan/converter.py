@@ -42,7 +42,7 @@ class Float8Converter(QuantizationConverter):
 
     @dataclass(kw_only=True, slots=True)
     class Config(QuantizationConverter.Config, ConversionOptions):
-        pass
+        """TorchTitan's quantization-converter fields plus titan-primus's ConversionOptions."""
 
     def __init__(self, config: Config):
         self.config = config
