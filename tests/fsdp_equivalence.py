@@ -30,4 +30,5 @@ for (name, p_single), p_sharded in zip(single.named_parameters(), sharded.parame
     assert torch.allclose(p_single.grad, grad, rtol=0, atol=1e-7), name
 if dist.get_rank() == 0:
     print(f"FSDP2 == single device: {model_name} {recipe}")
+dist.barrier()  # no rank tears gloo down while another still talks to it
 dist.destroy_process_group()

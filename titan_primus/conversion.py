@@ -52,21 +52,33 @@ def too_small_for_fp8(recipe: str, k: int, n: int) -> bool:
     return n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048)
 
 
-def check_parallelism(layer: str, parallel_dims, recipe: Fp8Recipe, *, experts: bool) -> None:
+def check_parallelism(
+    layer: str, parallel_dims, decision_or_recipe, *, experts: bool, passes_shards: bool = False
+) -> None:
     """Refuse, before the first step, the parallelisms under which an FP8 ``layer``'s scales
     would be computed over part of a tensor and silently differ from a single device's.
 
-    ``parallel_dims``: TorchTitan's ParallelDims (its ``tp`` and ``ep`` degrees). FSDP is fine:
-    it all-gathers the full weight before each forward. Tensor parallelism hands each rank a
-    shard (local tensors), so amaxes would cover shards only. Expert parallelism is fine when
-    every grouped-GEMM scale covers a single expert's data.
+    ``parallel_dims``: TorchTitan's ParallelDims (its ``tp`` and ``ep`` degrees);
+    ``decision_or_recipe``: the layer's backend and recipe (a RoutingDecision, or the
+    (backend, recipe) pair a module holds). FSDP is fine: it all-gathers the full weight before
+    each forward. Tensor parallelism hands each rank a shard: fine for a linear whose module
+    tells its backend the shards (``passes_shards``) and whose backend reduces amaxes across
+    them (``tensor_parallel_scales``); refused otherwise, and for MoE experts. Expert
+    parallelism is fine when every grouped-GEMM scale covers one expert's data.
     """
-    if parallel_dims.tp > 1:
+    backend, recipe = (
+        (decision_or_recipe.backend, decision_or_recipe.recipe)
+        if isinstance(decision_or_recipe, RoutingDecision) else decision_or_recipe
+    )
+    if parallel_dims.tp > 1 and (experts or not (passes_shards and backend.tensor_parallel_scales)):
+        what = "MoE experts" if experts else f"the {backend.name} backend" + ("" if passes_shards else " here")
         raise ValueError(
-            f"titan-primus: tensor parallelism (degree {parallel_dims.tp}) is not supported with FP8 "
-            f"layers yet: each rank's {layer} would compute FP8 scales over its shard only, so the "
+            f"titan-primus: tensor parallelism (degree {parallel_dims.tp}) is not supported for FP8 "
+            f"{what} yet: each rank's {layer} would compute FP8 scales over its shard only, so the "
             f"numerics would differ from one device. Use FSDP (data_parallel_shard_degree) with the "
-            f"converter, or keep TP-sharded layers in high precision with filter_fqns."
+            f"converter, or keep TP-sharded layers in high precision with filter_fqns"
+            + ("" if experts else " (the emulated backend computes whole-tensor scales under TP)")
+            + "."
         )
     if experts and parallel_dims.ep > 1 and not recipe.grouped_scales_per_expert:
         raise ValueError(

@@ -9,6 +9,7 @@ in eager PyTorch, while e4m3fn saturates.
 from __future__ import annotations
 
 import torch
+import torch.distributed._functional_collectives as funcol
 
 from .recipes import Fp8Recipe, OperandCast
 
@@ -25,12 +26,16 @@ def amax_to_scale(amax: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool) -> tor
 
 
 def quantize(
-    x: torch.Tensor, fp8_dtype: torch.dtype, reduce_dim: int | None, pow2: bool
+    x: torch.Tensor, fp8_dtype: torch.dtype, reduce_dim: int | None, pow2: bool, amax_group=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Cast ``x`` to ``fp8_dtype``; ``reduce_dim=None`` is one scale for the tensor, else one scale
-    per slice, the amax taken over ``reduce_dim``. Returns (fp8 data, float32 scale)."""
+    per slice, the amax taken over ``reduce_dim``. ``amax_group``: the process group holding the
+    other shards of ``x`` along the reduced dimension(s); the amax is the maximum across it.
+    Returns (fp8 data, float32 scale)."""
     magnitude = x.detach().abs()
     amax = magnitude.amax() if reduce_dim is None else magnitude.amax(dim=reduce_dim, keepdim=True)
+    if amax_group is not None:
+        amax = funcol.all_reduce(amax, "max", amax_group).wait()
     scale = amax_to_scale(amax, fp8_dtype, pow2)
     fp8_max = torch.finfo(fp8_dtype).max
     data = (x.to(torch.float32) * scale).clamp(-fp8_max, fp8_max).to(fp8_dtype)
@@ -41,13 +46,19 @@ def dequantize(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return data.to(torch.float32) / scale
 
 
-def fake_quantize(x: torch.Tensor, cast: OperandCast, recipe: Fp8Recipe, contract_dim: int) -> torch.Tensor:
+def fake_quantize(
+    x: torch.Tensor, cast: OperandCast, recipe: Fp8Recipe, contract_dim: int,
+    sharded_dim: int | None = None, group=None,
+) -> torch.Tensor:
     """``x`` as the GEMM sees it after the cast, in float32. ``contract_dim`` is the dimension of
-    ``x`` the GEMM reduces over: rowwise scales take their amax over it."""
+    ``x`` the GEMM reduces over: rowwise scales take their amax over it. ``sharded_dim``: the
+    dimension of ``x`` split across ``group`` (tensor parallelism), if any: an amax over it is
+    reduced across the group."""
     if cast.fmt is None:
         return x.to(torch.float32)
     reduce_dim = contract_dim if cast.granularity == "rowwise" else None
-    return dequantize(*quantize(x, recipe.dtype(cast), reduce_dim, recipe.pow2_scales))
+    spans_shards = sharded_dim is not None and reduce_dim in (None, sharded_dim)
+    return dequantize(*quantize(x, recipe.dtype(cast), reduce_dim, recipe.pow2_scales, group if spans_shards else None))
 
 
 def quantize_per_group(

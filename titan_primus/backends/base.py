@@ -16,7 +16,7 @@ import torch
 from ..device import DeviceProfile
 from ..recipes import Fp8Recipe
 
-__all__ = ["Op", "OPS", "Verdict", "Fp8Backend"]
+__all__ = ["Op", "OPS", "Verdict", "Fp8Backend", "TensorParallelShards"]
 
 Op = Literal["linear", "grouped_mm"]
 OPS: tuple[Op, ...] = ("linear", "grouped_mm")
@@ -41,10 +41,26 @@ class Verdict:
         return self.ok
 
 
+@dataclass(frozen=True)
+class TensorParallelShards:
+    """Which dimension of a linear's operands this rank holds only a shard of, across ``group``
+    (tensor parallelism): ``None`` where the operand is whole. x is [M, K], weight [N, K],
+    grad_output [M, N]. Column-parallel: weight dim 0 and grad_output dim 1; row-parallel:
+    weight dim 1 and x dim 1. A backend that takes it reduces every amax taken over a sharded
+    dimension across the group, so each rank's scales are the ones one device computes."""
+
+    group: object
+    input_dim: int | None
+    weight_dim: int | None
+    grad_output_dim: int | None
+
+
 class Fp8Backend(ABC):
     """One FP8 implementation of the two ops."""
 
     name: ClassVar[str]
+    tensor_parallel_scales: ClassVar[bool] = False
+    """Whether ``linear`` takes ``shards`` (TensorParallelShards) and computes whole-tensor scales."""
 
     @abstractmethod
     def rank(self, device: DeviceProfile) -> int:
@@ -68,9 +84,11 @@ class Fp8Backend(ABC):
 
     @abstractmethod
     def linear(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Fp8Recipe
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Fp8Recipe,
+        shards: TensorParallelShards | None = None,
     ) -> torch.Tensor:
-        """``x @ weight.T + bias`` for 2-D ``x`` [M, K] and ``weight`` [N, K], with autograd."""
+        """``x @ weight.T + bias`` for 2-D ``x`` [M, K] and ``weight`` [N, K], with autograd.
+        ``shards`` is given only to backends with ``tensor_parallel_scales``."""
 
     @abstractmethod
     def grouped_mm(

@@ -17,16 +17,16 @@ from ..device import DeviceProfile
 from ..grouping import group_ids, zero_trailing_rows
 from ..recipes import Fp8Recipe, has_definition, make_recipe
 from ..scaling import fake_quantize, quantize, quantize_per_group
-from .base import Fp8Backend, Op, Verdict
+from .base import Fp8Backend, Op, TensorParallelShards, Verdict
 
 __all__ = ["EmulatedBackend"]
 
 
-def _backward_source(t: torch.Tensor, forward_cast, recipe: Fp8Recipe, contract_dim: int) -> torch.Tensor:
+def _backward_source(t: torch.Tensor, forward_cast, recipe: Fp8Recipe, contract_dim: int, *shard) -> torch.Tensor:
     """What backward re-quantizes ``t`` from: ``t`` itself, or (Primus-Turbo >= v0.3.1, rowwise)
     its forward FP8 copy dequantized to ``t``'s dtype."""
     if recipe.backward_from_fp8 and forward_cast.granularity == "rowwise":
-        return fake_quantize(t, forward_cast, recipe, contract_dim).to(t.dtype)
+        return fake_quantize(t, forward_cast, recipe, contract_dim, *shard).to(t.dtype)
     return t
 
 
@@ -38,17 +38,23 @@ def _no_autocast(t: torch.Tensor):
 
 class _EmulatedLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, recipe: Fp8Recipe):
+    def forward(ctx, x, weight, bias, recipe: Fp8Recipe, shards: TensorParallelShards | None):
         with _no_autocast(x):
-            return _EmulatedLinear._forward(ctx, x, weight, bias, recipe)
+            return _EmulatedLinear._forward(ctx, x, weight, bias, recipe, shards)
 
     @staticmethod
-    def _forward(ctx, x, weight, bias, recipe: Fp8Recipe):
+    def _forward(ctx, x, weight, bias, recipe: Fp8Recipe, shards):
         ctx.save_for_backward(x, weight)
         ctx.recipe = recipe
         ctx.has_bias = bias is not None
+        # (sharded dim, group) of x, weight and grad_output; () without tensor parallelism.
+        ctx.x_shard, ctx.w_shard, ctx.g_shard = (
+            [(d, shards.group) for d in (shards.input_dim, shards.weight_dim, shards.grad_output_dim)]
+            if shards else [(), (), ()]
+        )
         casts = recipe.output
-        out = fake_quantize(x, casts.a, recipe, contract_dim=1) @ fake_quantize(weight, casts.b, recipe, 1).t()
+        x_q = fake_quantize(x, casts.a, recipe, 1, *ctx.x_shard)
+        out = x_q @ fake_quantize(weight, casts.b, recipe, 1, *ctx.w_shard).t()
         if bias is not None:
             out = out + bias.to(torch.float32)
         return out.to(x.dtype)
@@ -61,21 +67,21 @@ class _EmulatedLinear(torch.autograd.Function):
     @staticmethod
     def _backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
-        recipe = ctx.recipe
-        x = _backward_source(x, recipe.output.a, recipe, 1)
-        weight = _backward_source(weight, recipe.output.b, recipe, 1)
+        recipe, xs, ws, gs = ctx.recipe, ctx.x_shard, ctx.w_shard, ctx.g_shard
+        x = _backward_source(x, recipe.output.a, recipe, 1, *xs)
+        weight = _backward_source(weight, recipe.output.b, recipe, 1, *ws)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
             c = recipe.grad_input  # [M, N] @ [N, K]: contract over N
-            grad_x = fake_quantize(grad_out, c.a, recipe, 1) @ fake_quantize(weight, c.b, recipe, 0)
+            grad_x = fake_quantize(grad_out, c.a, recipe, 1, *gs) @ fake_quantize(weight, c.b, recipe, 0, *ws)
             grad_x = grad_x.to(x.dtype)
         if ctx.needs_input_grad[1]:
             c = recipe.grad_weight  # [N, M] @ [M, K]: contract over M
-            grad_w = fake_quantize(grad_out, c.a, recipe, 0).t() @ fake_quantize(x, c.b, recipe, 0)
+            grad_w = fake_quantize(grad_out, c.a, recipe, 0, *gs).t() @ fake_quantize(x, c.b, recipe, 0, *xs)
             grad_w = grad_w.to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad_out.to(torch.float32).sum(0).to(grad_out.dtype)
-        return grad_x, grad_w, grad_b, None
+        return grad_x, grad_w, grad_b, None, None
 
 
 _NO_SCALE = torch.ones(())
@@ -150,6 +156,7 @@ class _EmulatedGroupedMM(torch.autograd.Function):
 
 class EmulatedBackend(Fp8Backend):
     name = "emulated"
+    tensor_parallel_scales = True
 
     def rank(self, device: DeviceProfile) -> int:
         return 100
@@ -169,8 +176,8 @@ class EmulatedBackend(Fp8Backend):
     def accepts(self, recipe: Fp8Recipe) -> Verdict:
         return Verdict.yes("the emulation reproduces every recipe definition")
 
-    def linear(self, x, weight, bias, recipe):
-        return _EmulatedLinear.apply(x, weight, bias, recipe)
+    def linear(self, x, weight, bias, recipe, shards=None):
+        return _EmulatedLinear.apply(x, weight, bias, recipe, shards)
 
     def grouped_mm(self, A, B_t, offs, recipe):
         return _EmulatedGroupedMM.apply(A, B_t, offs, recipe)

@@ -145,7 +145,7 @@ class PrimusTurboBackend(Fp8Backend):
             raise RuntimeError(api)
         return api
 
-    def linear(self, x, weight, bias, recipe):
+    def linear(self, x, weight, bias, recipe, shards=None):  # no TP scales: TP is refused
         if torch.compiler.is_compiling():
             out = torch.ops.titan_primus.primus_turbo_linear(x, weight, recipe.name)
         else:  # eager: Primus-Turbo's own autograd, no recomputation

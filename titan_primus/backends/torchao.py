@@ -131,7 +131,7 @@ class TorchAOBackend(Fp8Backend):
             return Verdict.no(f"TorchAO runs the torchao definition of {recipe.name!r}, not the {recipe.definition} one")
         return Verdict.yes()
 
-    def linear(self, x, weight, bias, recipe):
+    def linear(self, x, weight, bias, recipe, shards=None):  # no TP scales: TP is refused
         from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
 
         config, mm_config = self._configs(recipe)

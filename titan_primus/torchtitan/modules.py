@@ -14,6 +14,11 @@ import torch
 from torchtitan.models.common.linear import Linear
 from torchtitan.models.common.moe import GroupedExperts
 
+import spmd_types as spmd
+from torch.distributed.tensor import Shard
+from torchtitan.distributed.parallel_dims import MeshAxisName
+
+from ..backends.base import TensorParallelShards
 from ..conversion import check_parallelism
 from ..recipes import Fp8Recipe
 from ..registry import get_backend
@@ -32,14 +37,35 @@ class _Fp8Module:
         self.fp8_recipe = config.fp8_recipe
 
     def parallelize(self, parallel_dims) -> None:
-        check_parallelism(type(self).__name__, parallel_dims, self.fp8_recipe, experts=self.covers_experts)
+        check_parallelism(
+            type(self).__name__, parallel_dims, (self.fp8_backend, self.fp8_recipe),
+            experts=self.covers_experts, passes_shards=not self.covers_experts,
+        )
         super().parallelize(parallel_dims)
+
+
+def tensor_parallel_shards(sharding_config, parallel_dims) -> TensorParallelShards | None:
+    """What a linear's operands are sharded on under TorchTitan's tensor parallelism, read from
+    the weight's declared TP placement: Shard(0) is column-parallel (x whole, grad_output split
+    on N), Shard(1) row-parallel (x split on K). None when the layer is not TP-sharded."""
+    layout = sharding_config.state_shardings.get("weight") if sharding_config else None
+    if parallel_dims.tp <= 1 or layout is None:
+        return None
+    tp_type = layout.per_axis_spmd_types().get(MeshAxisName.TP)
+    placement = spmd.spmd_type_to_dtensor_placement(tp_type) if tp_type is not None else None
+    if not isinstance(placement, Shard):
+        return None
+    group = parallel_dims.get_mesh(MeshAxisName.TP.value).get_group()
+    if placement.dim == 0:
+        return TensorParallelShards(group, input_dim=None, weight_dim=0, grad_output_dim=1)
+    return TensorParallelShards(group, input_dim=1, weight_dim=1, grad_output_dim=None)
 
 
 class Fp8Linear(_Fp8Module, Linear):
     """``Linear`` whose GEMMs run in FP8 on a titan-primus backend."""
 
     covers_experts = False
+    fp8_shards: TensorParallelShards | None = None
 
     @dataclass(kw_only=True, slots=True)
     class Config(Linear.Config):
@@ -52,9 +78,15 @@ class Fp8Linear(_Fp8Module, Linear):
         super().__init__(config)
         self.bind_fp8(config)
 
+    def parallelize(self, parallel_dims) -> None:
+        super().parallelize(parallel_dims)
+        self.fp8_shards = tensor_parallel_shards(self._sharding_config, parallel_dims)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Local shapes: under tensor parallelism x and the weight are this rank's shards.
-        out = self.fp8_backend.linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias, self.fp8_recipe)
+        # Local shapes: under tensor parallelism x and the weight are this rank's shards, and
+        # fp8_shards tells the backend which amaxes to reduce across the TP group.
+        shards = {"shards": self.fp8_shards} if self.fp8_shards is not None else {}
+        out = self.fp8_backend.linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias, self.fp8_recipe, **shards)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     def extra_repr(self) -> str:

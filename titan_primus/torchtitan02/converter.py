@@ -86,7 +86,7 @@ class Float8Converter:
             unconvertible = f"{type(linear).__qualname__} has its own forward, which FP8 would replace"
         decision = self.router.linear(fqn, linear.in_features, linear.out_features, unconvertible=unconvertible)
         if decision:
-            check_parallelism(Fp8Linear.__name__, self.parallel_dims, decision.recipe, experts=False)
+            check_parallelism(Fp8Linear.__name__, self.parallel_dims, decision, experts=False)
             _swap(model, fqn, Fp8Linear.from_linear(linear, decision))
 
     def _convert_experts(self, model: nn.Module, fqn: str, experts: GroupedExperts) -> None:
@@ -97,7 +97,7 @@ class Float8Converter:
         decision = self.router.experts(fqn, dim, hidden_dim, unconvertible=unconvertible)
         if not decision:
             return
-        check_parallelism(Fp8GroupedExperts.__name__, self.parallel_dims, decision.recipe, experts=True)
+        check_parallelism(Fp8GroupedExperts.__name__, self.parallel_dims, decision, experts=True)
         alignment = group_alignment(decision.backend_name)
         if alignment:
             # TorchTitan 0.2 pads token groups to one global multiple (its EP dispatch reads it too).
