@@ -9,6 +9,7 @@ in eager PyTorch, while e4m3fn saturates.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from .recipes import Fp8Recipe, OperandCast
@@ -35,7 +36,11 @@ def quantize(
     magnitude = x.detach().abs()
     amax = magnitude.amax() if reduce_dim is None else magnitude.amax(dim=reduce_dim, keepdim=True)
     if amax_group is not None:
-        amax = funcol.all_reduce(amax, "max", amax_group).wait()
+        if torch.compiler.is_compiling():  # traceable form
+            amax = funcol.all_reduce(amax, "max", amax_group)
+        else:
+            amax = amax.clone()
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=amax_group)
     scale = amax_to_scale(amax, fp8_dtype, pow2)
     fp8_max = torch.finfo(fp8_dtype).max
     data = (x.to(torch.float32) * scale).clamp(-fp8_max, fp8_max).to(fp8_dtype)
