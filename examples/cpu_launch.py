@@ -26,8 +26,6 @@ one exists. Each is explained where it is made. Apart from the attention swap
 (FlexAttention -> causal SDPA) none changes the numerics.
 """
 
-import sys
-
 import cpu_world  # noqa: F401  (0) offline Hugging Face, (1) a single-process world without torchrun
 
 # (2) tools/utils.py picks `_get_available_device_type() or "cuda"`, so with no
@@ -113,4 +111,4 @@ ConfigManager.parse_args = _parse_args_cpu
 if __name__ == "__main__":
     from torchtitan.train import main
 
-    sys.exit(main())
+    cpu_world.exit_without_teardown(main())

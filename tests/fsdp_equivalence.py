@@ -2,13 +2,14 @@
 FSDP2 computes exactly what the unsharded model computes on one device, for tensorwise scales
 too, because FSDP2 all-gathers each full weight before the FP8 ops see it."""
 
-import os
 import sys
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from titan_helpers import build, model_config
+
+from cpu_world import exit_without_teardown  # examples/, on sys.path via titan_helpers
 
 from titan_primus.torchtitan import Float8Converter
 
@@ -32,7 +33,4 @@ for (name, p_single), p_sharded in zip(single.named_parameters(), sharded.parame
 if dist.get_rank() == 0:
     print(f"FSDP2 == single device: {model_name} {recipe}")
 dist.barrier()
-# Leave without interpreter teardown: with torch 2.14 and gloo, a 2-rank process sometimes aborts
-# there ("terminate called without an active exception") after all of the work above is done.
-sys.stdout.flush()
-os._exit(0)
+exit_without_teardown(0)  # see cpu_world: gloo processes can abort in interpreter teardown

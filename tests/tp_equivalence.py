@@ -3,8 +3,8 @@ tensor-parallel shards, told what is sharded, computes exactly the single-device
 amax over a split dimension is reduced across the group. Without that (shards=None) tensorwise
 and some rowwise scales would come from one shard and the results would differ."""
 
-import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -12,6 +12,9 @@ import torch.distributed as dist
 import titan_primus as tp
 from titan_primus.backends.base import TensorParallelShards
 from titan_primus.metrics import sqnr
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+from cpu_world import exit_without_teardown  # noqa: E402
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
@@ -60,7 +63,4 @@ unaware = layouts(None, None)
 if rank == 0:
     print(f"tp {recipe_name} {device}: with shards {aware:.1f} dB, without {unaware:.1f} dB")
 dist.barrier()
-# Leave without interpreter teardown: with torch 2.14 and gloo, a 2-rank process sometimes aborts
-# there ("terminate called without an active exception") after all of the work above is done.
-sys.stdout.flush()
-os._exit(0)
+exit_without_teardown(0)  # see cpu_world: gloo processes can abort in interpreter teardown

@@ -68,4 +68,4 @@ _moe_utils.generate_permute_indices = functools.partial(_moe_utils.generate_perm
 if __name__ == "__main__":
     from torchtitan.train import Trainer, main
 
-    sys.exit(main(Trainer))
+    cpu_world.exit_without_teardown(main(Trainer))
