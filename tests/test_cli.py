@@ -13,10 +13,11 @@ import pytest
 from doubles import primus_turbo_double
 
 import titan_primus as tp
-from titan_primus import bench, cli, parity
+from titan_primus import cli
+from titan_primus.cli import bench, parity
 from titan_primus.backends.emulated import EmulatedBackend
 from titan_primus.hookspec import hookimpl
-from titan_primus.report import SCHEMA_VERSION, load_document
+from titan_primus.cli.report import SCHEMA_VERSION, load_document
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:

@@ -57,12 +57,20 @@ def get_backend(name: str) -> Fp8Backend:
     return registered[name]
 
 
-def refresh() -> None:
-    """Forget cached backends and routing decisions (after plugins or the environment changed)."""
-    from . import routing
+_generation = 0
 
+
+def generation() -> int:
+    """Bumped by every :func:`refresh`: caches built from the registry (routing's) key on it."""
+    return _generation
+
+
+def refresh() -> None:
+    """Forget cached backends, and with them every routing decision made from them (after plugins
+    or the environment changed)."""
+    global _generation
     backends.cache_clear()  # backend instances are rebuilt, so their lazy import checks rerun
-    routing.clear_cache()
+    _generation += 1
 
 
 def register(plugin: object, name: str | None = None) -> str:

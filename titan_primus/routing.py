@@ -13,8 +13,9 @@ from functools import cache
 from .backends.base import OPS, Fp8Backend, Op
 from .device import DeviceProfile, resolve_device
 from .recipes import Fp8Recipe, check_recipe_name
+from .registry import backends, generation, get_backend
 
-__all__ = ["BACKEND_ENV", "RoutingDecision", "BackendUnavailableError", "select_backend", "clear_cache"]
+__all__ = ["BACKEND_ENV", "RoutingDecision", "BackendUnavailableError", "select_backend"]
 
 BACKEND_ENV = "TITAN_PRIMUS_BACKEND"
 
@@ -75,13 +76,12 @@ def select_backend(
     check_recipe_name(recipe)
     if requested == "auto":
         requested = os.environ.get(BACKEND_ENV) or "auto"
-    return _select(op, recipe, resolve_device(device), requested, k, n)
+    return _select(op, recipe, resolve_device(device), requested, k, n, generation())
 
 
 @cache
-def _select(op: Op, recipe: str, device: DeviceProfile, requested: str, k, n) -> RoutingDecision:
-    from .registry import backends, get_backend
-
+def _select(op: Op, recipe: str, device: DeviceProfile, requested: str, k, n, registry_generation: int) -> RoutingDecision:
+    # ``registry_generation`` keys the cache: a refreshed registry makes every decision anew.
     if requested != "auto":
         backend = get_backend(requested)
         why_not = _check(backend, op, recipe, device, k, n)
@@ -115,6 +115,3 @@ def _select(op: Op, recipe: str, device: DeviceProfile, requested: str, k, n) ->
     reasons = "; ".join(f"{name}: {why}" for name, why in (*passed_over, *not_here))
     raise BackendUnavailableError(f"no backend can run {op} with recipe {recipe!r} on {device.describe()}: {reasons}")
 
-
-def clear_cache() -> None:
-    _select.cache_clear()

@@ -25,7 +25,6 @@ it is a failure.
 
 from __future__ import annotations
 
-import shutil
 import time
 import zlib
 from collections import Counter, defaultdict
@@ -33,14 +32,15 @@ from dataclasses import dataclass, field
 from itertools import combinations
 
 import torch
+from tqdm import tqdm
 
-from . import registry
-from .device import DeviceProfile, device_profile
+from .. import registry
+from ..device import DeviceProfile, device_profile
 from .doctor import describe_error, environment, resolve_profile, why_not
-from .grouping import group_bounds
-from .metrics import sqnr
-from .ops import fp8_grouped_mm, fp8_linear
-from .recipes import RECIPE_NAMES, Fp8Recipe, GemmCasts
+from ..grouping import group_bounds
+from ..metrics import sqnr
+from ..ops import fp8_grouped_mm, fp8_linear
+from ..recipes import RECIPE_NAMES, Fp8Recipe, GemmCasts
 from .report import (
     db_value,
     document,
@@ -50,7 +50,7 @@ from .report import (
     skip_lines,
     write_document,
 )
-from .routing import BackendUnavailableError, select_backend
+from ..routing import BackendUnavailableError, select_backend
 
 __all__ = [
     "DEFAULT_CASES",
@@ -431,36 +431,15 @@ def _run_cell(case, recipe: str, requested: DeviceProfile) -> list[Row]:
     return rows
 
 
-class Progress:
-    """A one-line progress bar on stderr, drawn only when stderr is a terminal."""
-
-    def __init__(self, total: int, stream):
-        self.total, self.stream, self.done = total, stream, 0
-        self.enabled = stream.isatty()
-
-    def step(self, label: str) -> None:
-        self.done += 1
-        if self.enabled:
-            width = 30
-            filled = width * self.done // self.total
-            line = f"[{'#' * filled}{'-' * (width - filled)}] {self.done}/{self.total} {label}"
-            columns = shutil.get_terminal_size().columns
-            self.stream.write("\r" + line[: columns - 1].ljust(columns - 1))
-            self.stream.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            self.stream.write("\r" + " " * (shutil.get_terminal_size().columns - 1) + "\r")
-            self.stream.flush()
-
-
-def run_matrix(profile: DeviceProfile, cases, recipes=RECIPE_NAMES, progress: Progress | None = None) -> list[Row]:
+def run_matrix(profile: DeviceProfile, cases, recipes=RECIPE_NAMES, progress=None) -> list[Row]:
+    """Every (case, recipe) cell; ``progress`` (a tqdm bar) is advanced once per cell."""
     rows = []
     for case in cases:
         for recipe in recipes:
             rows += _run_cell(case, recipe, profile)
-            if progress:
-                progress.step(f"{case.op} {case.name} {recipe}")
+            if progress is not None:
+                progress.set_postfix_str(f"{case.op} {case.name} {recipe}", refresh=False)
+                progress.update()
     return rows
 
 
@@ -558,11 +537,9 @@ def command(device: str | None, quick: bool, required: list[str], json_path: str
     prepare_output(json_path)
     cases = QUICK_CASES if quick else DEFAULT_CASES
     started = time.perf_counter()
-    progress = Progress(len(cases) * len(RECIPE_NAMES), err)
-    try:
+    # Drawn only on a terminal, so logs and JSON consumers see no bar.
+    with tqdm(total=len(cases) * len(RECIPE_NAMES), file=err, disable=not err.isatty(), leave=False) as progress:
         rows = run_matrix(profile, cases, RECIPE_NAMES, progress)
-    finally:
-        progress.close()
     seconds = time.perf_counter() - started
     missing = require_problems(rows, required, profile)
     counts = Counter(r.status for r in rows)

@@ -15,12 +15,12 @@ from importlib import metadata
 
 import torch
 
-from . import __version__, registry
-from .backends.base import OPS
-from .device import DeviceProfile, detect_device, device_profile
-from .recipes import RECIPE_NAMES
+from .. import __version__, registry
+from ..backends.base import OPS
+from ..device import DeviceProfile, detect_device, device_profile
+from ..recipes import RECIPE_NAMES
 from .report import SCHEMA_VERSION, markdown_table
-from .routing import BackendUnavailableError, select_backend
+from ..routing import BackendUnavailableError, select_backend
 
 __all__ = ["command", "describe_error", "diagnose", "environment", "profile_dict", "render", "resolve_profile", "versions", "why_not"]
 

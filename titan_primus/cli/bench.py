@@ -30,11 +30,11 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from . import registry
-from .device import DeviceProfile, detect_device
+from .. import registry
+from ..device import DeviceProfile, detect_device
 from .doctor import describe_error, environment, why_not
 from .report import document, markdown_table, prepare_output, skip_lines, write_document
-from .routing import RoutingDecision, select_backend
+from ..routing import RoutingDecision, select_backend
 
 __all__ = ["DATASHEET_PEAKS", "GROUPED_SHAPES", "LINEAR_SHAPES", "BenchShape", "command", "cpu_note", "peak_for", "run_bench"]
 

@@ -2,7 +2,7 @@
 ``titan-primus report``: several results files side by side as Markdown, optionally a PNG.
 
 A results file is one JSON object: ``schema_version``, ``kind`` ("parity" or "bench"),
-``environment`` (date, versions, device profile; see :func:`titan_primus.doctor.environment`),
+``environment`` (date, versions, device profile; see :func:`titan_primus.cli.doctor.environment`),
 ``settings``, ``results`` (a list of rows) and ``summary``. SQNR values that are not finite are
 written as the strings "inf" (bitwise equal) and "-inf" (non-finite output), so every file is
 strict JSON.

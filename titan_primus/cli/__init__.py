@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .device import known_profiles
-from .recipes import RECIPE_NAMES
+from ..device import known_profiles
+from ..recipes import RECIPE_NAMES
 
 __all__ = ["build_parser", "main"]
 
