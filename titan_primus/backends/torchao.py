@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 from functools import cached_property
 
 import torch
@@ -78,7 +79,20 @@ class TorchAOBackend(Fp8Backend):
         try:
             importlib.import_module("torchao.float8.float8_linear")
         except ImportError as e:
-            return f"TorchAO is not importable ({e}); pip install 'torchao>=0.17'"
+            return f"TorchAO is not importable ({e}); pip install 'torchao>=0.15'"
+        return None
+
+    @cached_property
+    def _grouped_mm_import_error(self) -> str | None:
+        try:
+            self._grouped_mm_fn
+        except ImportError as e:
+            if importlib.util.find_spec("triton") is None:
+                return "TorchAO's FP8 grouped GEMM is written in Triton, which is not installed"
+            return (
+                f"TorchAO {importlib.import_module('torchao').__version__} has no FP8 rowwise grouped GEMM "
+                f"(_to_fp8_rowwise_then_scaled_grouped_mm, from torchao 0.17; {e}): pip install 'torchao>=0.17'"
+            )
         return None
 
     def rank(self, device: DeviceProfile) -> int:
@@ -105,6 +119,8 @@ class TorchAOBackend(Fp8Backend):
                 return Verdict.no(
                     f"TorchAO implements only the rowwise recipe for grouped GEMMs, not {recipe!r}"
                 )
+            if self._grouped_mm_import_error:
+                return Verdict.no(self._grouped_mm_import_error)
         bad = [f"{name}={dim}" for name, dim in (("K", k), ("N", n)) if dim is not None and dim % _ALIGNMENT]
         if bad:
             return Verdict.no(f"TorchAO's FP8 GEMMs need K and N divisible by {_ALIGNMENT} ({', '.join(bad)})")
