@@ -1,7 +1,7 @@
 """An adapter that cannot be imported says why, by its real cause, and how to fix it.
 
-Runs under either TorchTitan line (tests_tt02/test_adapter_import_errors.py runs it on 0.2.x), in a separate interpreter, with a
-module made unimportable where a case needs one missing.
+Runs under either TorchTitan line (tests_tt02/test_adapter_import_errors.py runs it on 0.2.x), in
+a separate interpreter, with a module made unimportable where a case needs one missing.
 """
 
 from __future__ import annotations
