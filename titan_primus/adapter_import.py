@@ -52,16 +52,11 @@ def _where(error: BaseException) -> str:
     frames = [f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith("<")]
     if not frames:
         return "at import"
-    path = Path(frames[-1].filename)
-    parts = path.parts
-    # Relative to site-packages (or the checkout), so the message names torchtitan/..../x.py.
-    for anchor in ("site-packages", "dist-packages"):
-        if anchor in parts:
-            parts = parts[len(parts) - parts[::-1].index(anchor):]
-            break
-    else:
-        parts = parts[-3:]
-    return f"in {'/'.join(parts)}, line {frames[-1].lineno}"
+    parts = Path(frames[-1].filename).parts
+    # From the package down (torchtitan/models/...), wherever TorchTitan is installed or checked out.
+    if "torchtitan" in parts:
+        parts = parts[len(parts) - 1 - parts[::-1].index("torchtitan"):]
+    return f"in {'/'.join(parts).lstrip('/')}, line {frames[-1].lineno}"
 
 
 def _fix(missing: str) -> str:
