@@ -106,8 +106,9 @@ def test_torchtitan_compile_of_converted_moe_blocks(device, turbo, monkeypatch):
     assert min(tp.sqnr(a, b) for a, b in zip(eager_grads, graph_grads) if a is not None) >= 20
 
 
-# The public ops inside a user's compiled code: routing happens outside the traced code.
-OP_BACKENDS = [("emulated", "cpu"), ("emulated", "gfx942"), ("torchao", "cpu"), ("primus_turbo", "gfx942")]
+# The public ops inside a user's compiled code: routing happens outside the traced code. (The
+# backends' own code under compile, every profile, is covered by the tests above.)
+OP_BACKENDS = [("emulated", "cpu"), ("torchao", "cpu"), ("primus_turbo", "gfx942")]
 
 
 @pytest.mark.parametrize("backend, device", OP_BACKENDS)
@@ -131,15 +132,14 @@ def test_public_fp8_linear_compiles_fullgraph_and_matches_eager(backend, device,
         assert min(sqnrs(eager, graph)) >= 40, sqnrs(eager, graph)
 
 
-@pytest.mark.parametrize("device", ["cpu", "gfx942"])
-def test_public_fp8_grouped_mm_compiles_fullgraph_and_matches_eager(device):
+def test_public_fp8_grouped_mm_compiles_fullgraph_and_matches_eager():
     offs = make_offsets([7, 0, 25, 16])
     A = torch.randn(54, 64, dtype=torch.bfloat16)
     W = (torch.randn(4, 24, 64) * 0.1).bfloat16()  # N = 24: not a multiple of 16
     g = torch.randn(54, 24)
 
     def fn(A, B_t, offs):
-        return tp.fp8_grouped_mm(A, B_t, offs, recipe="rowwise", backend="emulated", device=device)
+        return tp.fp8_grouped_mm(A, B_t, offs, recipe="rowwise", backend="emulated", device="cpu")
 
     eager = run_grouped(fn, A, W, offs, g)
     graph = run_grouped(compiled(fn), A, W, offs, g)

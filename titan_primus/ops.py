@@ -82,15 +82,16 @@ _COMPILED_ROUTE_NAMES: dict[tuple, str] = {}
 
 
 def _as_constant(value):
+    """A dataclass instance as (class, ((field, value), ...)), recursively; anything else as is."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return (type(value), tuple(_as_constant(getattr(value, f.name)) for f in dataclasses.fields(value)))
+        return type(value), tuple((f.name, _as_constant(getattr(value, f.name))) for f in dataclasses.fields(value) if f.init)
     return value
 
 
 def _from_constant(value):
     if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], type) and dataclasses.is_dataclass(value[0]):
-        cls, values = value
-        return cls(*(_from_constant(v) for v in values))
+        cls, items = value
+        return cls(**{name: _from_constant(v) for name, v in items})
     return value
 
 
