@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan.models.moe.moe import GroupedExperts
 from torchtitan.models.moe.utils import indices_padding_wrapper
 
+from ..ops import run_linear
 from ..routing import RoutingDecision
 
 __all__ = ["Fp8Linear", "Fp8GroupedExperts"]
@@ -31,8 +32,7 @@ class Fp8Linear(nn.Linear):
         return fp8.train(linear.training)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.fp8_backend.linear(x.reshape(-1, self.in_features), self.weight, self.bias, self.fp8_recipe)
-        return out.reshape(*x.shape[:-1], self.out_features)
+        return run_linear(self.fp8_backend, x, self.weight, self.bias, self.fp8_recipe)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, fp8={self.fp8_backend.name}:{self.fp8_recipe.describe()}"
