@@ -87,15 +87,8 @@ class ScaleDtype(enum.Enum):
     E8M0 = enum.auto()
 
 
-class BackendType(enum.Enum):
-    """``core/backend.py`` (v0.3.0+; v0.4.0 appends FLYDSL)."""
-
-    CK = enum.auto()
-    HIPBLASLT = enum.auto()
-    AITER = enum.auto()
-    TRITON = enum.auto()
-    DEEP_EP = enum.auto()
-    TURBO = enum.auto()
+BackendType = enum.Enum("BackendType", "CK HIPBLASLT AITER TRITON DEEP_EP TURBO FLYDSL")
+"""``core/backend.py``: v0.3.0 and v0.3.1 end at TURBO, v0.4.0 appends FLYDSL (same values)."""
 
 
 @dataclass
@@ -474,48 +467,57 @@ def _low_level_ops(version: str) -> types.SimpleNamespace:
     )
 
 
+_CPP_SCHEMAS = {  # csrc/pytorch/bindings_pytorch.cpp m.def, identical at v0.2.0-v0.4.0 (dequantize: v0.3.1+)
+    "quantize_fp8_tensorwise": "(Tensor input, ScalarType dest_dtype, Tensor? scale_opt=None) -> Tensor[]",
+    "quantize_fp8_rowwise": "(Tensor input, ScalarType dest_dtype, int axis, Tensor? scale_opt=None) -> Tensor[]",
+    "dequantize_fp8_rowwise": "(Tensor input, Tensor scale_inv, int axis, ScalarType dest_dtype) -> Tensor",
+}
+
+
+def _quantize_fp8_tensorwise(input, dest_dtype, scale_opt=None):
+    assert scale_opt is None, "the double models dynamic scaling only"
+    return list(_quantize_kernel(input, dest_dtype, None))
+
+
+def _quantize_fp8_rowwise(input, dest_dtype, axis, scale_opt=None):
+    assert scale_opt is None, "the double models dynamic scaling only"
+    return list(_quantize_kernel(input, dest_dtype, axis))
+
+
+def _dequantize_fp8_rowwise(input, scale_inv, axis, dest_dtype):
+    if not _active().backward_from_fp8:
+        raise AttributeError(f"'_OpNamespace' 'primus_turbo_cpp_extension' object has no attribute "
+                             f"'dequantize_fp8_rowwise' (it arrived in v0.3.1; this is {_active().version})")
+    KERNEL_CALLS["dequantize_fp8_rowwise"] += 1
+    _check(dest_dtype in (torch.bfloat16, torch.float16, torch.float32), "dest_dtype is bf16, fp16 or fp32")
+    _check(input.dtype in _FP8, "is_torch_fp8(input.scalar_type())")
+    return _dequantize_kernel(input, scale_inv, dest_dtype)
+
+
+def _quantize_meta(input, dest_dtype, axis=None, scale_opt=None):
+    scale_shape = [] if axis is None else [1 if d == axis % input.dim() else n for d, n in enumerate(input.shape)]
+    return [input.new_empty(input.shape, dtype=dest_dtype), input.new_empty(scale_shape, dtype=torch.float32)]
+
+
 @functools.cache
 def _register_cpp_extension_ops() -> None:
-    """``primus_turbo_cpp_extension::*`` as ``csrc/pytorch/bindings_pytorch.cpp`` defines them
-    (same schemas at v0.2.0-v0.4.0; ``dequantize_fp8_rowwise`` from v0.3.1), with meta impls."""
-    lib = "primus_turbo_cpp_extension"
+    """``primus_turbo_cpp_extension::*`` with the upstream schemas, kernels and meta impls."""
+    lib = torch.library.Library("primus_turbo_cpp_extension", "DEF")
+    impls = {
+        "quantize_fp8_tensorwise": (_quantize_fp8_tensorwise,
+                                    lambda input, dest_dtype, scale_opt=None: _quantize_meta(input, dest_dtype)),
+        "quantize_fp8_rowwise": (_quantize_fp8_rowwise, _quantize_meta),
+        "dequantize_fp8_rowwise": (_dequantize_fp8_rowwise,
+                                   lambda input, scale_inv, axis, dest_dtype: input.new_empty(input.shape, dtype=dest_dtype)),
+    }
+    for name, (kernel, meta) in impls.items():
+        lib.define(name + _CPP_SCHEMAS[name])
+        lib.impl(name, kernel, "CompositeExplicitAutograd")
+        torch.library.register_fake(f"primus_turbo_cpp_extension::{name}", meta, lib=lib)
+    _LIBRARIES.append(lib)  # a Library unregisters its ops when collected
 
-    @torch.library.custom_op(f"{lib}::quantize_fp8_tensorwise", mutates_args=())
-    def quantize_fp8_tensorwise(input: torch.Tensor, dest_dtype: torch.dtype,
-                                scale_opt: torch.Tensor | None = None) -> list[torch.Tensor]:
-        assert scale_opt is None, "the double models dynamic scaling only"
-        return list(_quantize_kernel(input, dest_dtype, None))
 
-    @quantize_fp8_tensorwise.register_fake
-    def _(input, dest_dtype, scale_opt=None):
-        return [input.new_empty(input.shape, dtype=dest_dtype), input.new_empty((), dtype=torch.float32)]
-
-    @torch.library.custom_op(f"{lib}::quantize_fp8_rowwise", mutates_args=())
-    def quantize_fp8_rowwise(input: torch.Tensor, dest_dtype: torch.dtype, axis: int,
-                             scale_opt: torch.Tensor | None = None) -> list[torch.Tensor]:
-        assert scale_opt is None, "the double models dynamic scaling only"
-        return list(_quantize_kernel(input, dest_dtype, axis))
-
-    @quantize_fp8_rowwise.register_fake
-    def _(input, dest_dtype, axis, scale_opt=None):
-        scale_shape = list(input.shape)
-        scale_shape[axis] = 1
-        return [input.new_empty(input.shape, dtype=dest_dtype), input.new_empty(scale_shape, dtype=torch.float32)]
-
-    @torch.library.custom_op(f"{lib}::dequantize_fp8_rowwise", mutates_args=())
-    def dequantize_fp8_rowwise(input: torch.Tensor, scale_inv: torch.Tensor, axis: int,
-                               dest_dtype: torch.dtype) -> torch.Tensor:
-        if not _active().backward_from_fp8:
-            raise AttributeError(f"'_OpNamespace' '{lib}' object has no attribute 'dequantize_fp8_rowwise' "
-                                 f"(it arrived in v0.3.1; this is {_active().version})")
-        KERNEL_CALLS["dequantize_fp8_rowwise"] += 1
-        _check(dest_dtype in (torch.bfloat16, torch.float16, torch.float32), "dest_dtype is bf16, fp16 or fp32")
-        _check(input.dtype in _FP8, "is_torch_fp8(input.scalar_type())")
-        return _dequantize_kernel(input, scale_inv, dest_dtype)
-
-    @dequantize_fp8_rowwise.register_fake
-    def _(input, scale_inv, axis, dest_dtype):
-        return input.new_empty(input.shape, dtype=dest_dtype)
+_LIBRARIES: list = []
 
 
 # ---- the package as the adapter imports it -----------------------------------------------------------
@@ -525,6 +527,7 @@ class _Api:
     def __init__(self, release: _Release):
         self.release = release
         self.calls: list[tuple[str, int, tuple[str, ...]]] = []
+        self.call_kwargs: list[dict] = []
 
     def recorded(self, fn):
         """``fn``, noting each call's positional count and keyword names in ``calls``."""
@@ -532,6 +535,7 @@ class _Api:
         @functools.wraps(fn)
         def call(*args, **kwargs):
             self.calls.append((fn.__name__, len(args), tuple(kwargs)))
+            self.call_kwargs.append(kwargs)
             return fn(*args, **kwargs)
 
         return call
@@ -602,7 +606,8 @@ def _build(version: str, arch: str) -> tuple[_Api, dict[str, types.ModuleType], 
     }
     if release.low_level_ops:
         backend_module = types.ModuleType("primus_turbo.pytorch.core.backend")
-        backend_module.BackendType = BackendType
+        members = [m.name for m in BackendType if m.name != "FLYDSL" or _at_least(version, "v0.4.0")]
+        backend_module.BackendType = enum.Enum("BackendType", members)
         modules[backend_module.__name__] = backend_module
     for path, names in kernel_modules.items():
         if release.low_level_ops:
