@@ -206,3 +206,19 @@ def test_dequantize_rowwise_does_not_exist_before_v031(monkeypatch):
     q, s = torch.ops.primus_turbo_cpp_extension.quantize_fp8_rowwise(torch.randn(4, 8), torch.float8_e4m3fnuz, -1)
     with pytest.raises(AttributeError, match="v0.3.1"):
         torch.ops.primus_turbo_cpp_extension.dequantize_fp8_rowwise(q, s, -1, torch.bfloat16)
+
+
+# ---- doctor ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("version, compiled", [("v0.2.0", "re-runs the forward"), ("v0.3.0", "low-level custom ops"),
+                                               ("v0.4.0", "low-level custom ops")])
+def test_doctor_says_which_path_the_ops_take(version, compiled, monkeypatch):
+    from titan_primus.cli.doctor import diagnose, render
+
+    install(monkeypatch, version)
+    diagnosis = diagnose("gfx942")
+    paths = diagnosis["primus_turbo_paths"]
+    assert compiled in paths["compiled"] and "public ops" in paths["eager"]
+    assert compiled in render(diagnosis)
+    assert f"Primus-Turbo {version} API" in diagnosis["primus_turbo"]
