@@ -222,3 +222,24 @@ def test_doctor_says_which_path_the_ops_take(version, compiled, monkeypatch):
     assert compiled in paths["compiled"] and "public ops" in paths["eager"]
     assert compiled in render(diagnosis)
     assert f"Primus-Turbo {version} API" in diagnosis["primus_turbo"]
+
+
+# ---- the emulation's Primus-Turbo definitions: bit-identical payloads, scales, dequantization ----
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("axis", [None, -1, -2])
+def test_emulated_quantization_is_the_kernels(arch, dtype, axis, monkeypatch):
+    """Same FP8 payload, same scale_inv (fl(1/scale)), same dequantized values as the double's
+    quantize kernel; only the GEMMs' accumulation order differs."""
+    from titan_primus.scaling import dequantize, quantize
+
+    release = install(monkeypatch, "v0.4.0", arch).release
+    x = torch.randn(96, 160, dtype=dtype) * torch.logspace(-3, 3, 160)
+    for fp8_dtype in (release.e4m3, release.e5m2):
+        q, scale_inv = primus_turbo_double._quantize_kernel(x, fp8_dtype, axis)
+        data, scale = quantize(x, fp8_dtype, None if axis is None else axis % 2, pow2=False)
+        assert torch.equal(data.view(torch.uint8), q.view(torch.uint8))
+        assert torch.equal(torch.reciprocal(scale), scale_inv)
+        assert torch.equal(dequantize(data, scale, reciprocal=True), primus_turbo_double._dequantize_kernel(q, scale_inv, torch.float32))

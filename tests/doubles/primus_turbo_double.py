@@ -177,8 +177,12 @@ def _quantize_kernel(x: torch.Tensor, dest_dtype: torch.dtype, axis: int | None)
     xf = x.float()
     amax = xf.abs().amax() if axis is None else xf.abs().amax(dim=axis, keepdim=True)
     fp8_max = torch.finfo(dest_dtype).max
-    scale = fp8_max / torch.clamp(amax, min=_EPS)
-    return (xf * scale).clamp(-fp8_max, fp8_max).to(dest_dtype), 1.0 / scale
+    # Two float32 divisions, each correctly rounded, as the device code does
+    # (csrc/include/primus_turbo/device/quant_utils.cuh). Not ``fp8_max / t``: for a Python
+    # scalar torch computes that as ``t.reciprocal() * fp8_max``, rounding twice.
+    scale = torch.full_like(amax, fp8_max) / torch.clamp(amax, min=_EPS)
+    scale_inv = torch.ones_like(scale) / scale
+    return (xf * scale).clamp(-fp8_max, fp8_max).to(dest_dtype), scale_inv
 
 
 def _dequantize_kernel(q: torch.Tensor, scale_inv: torch.Tensor, dest_dtype: torch.dtype) -> torch.Tensor:
