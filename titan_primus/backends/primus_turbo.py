@@ -442,7 +442,10 @@ class _LowLevelLinear(torch.autograd.Function):
         ops, (_, bwd) = api.low_level, api.formats(ctx.recipe)
         row, col = (-1, -2) if ctx.recipe == "rowwise" else (None, None)
         granularity, backend = ops.granularity[ctx.recipe], ops.dense_backend[ctx.recipe]
+        # The gradient of the kernel's 16-bit output, as Primus-Turbo's own autograd (the eager
+        # path) receives it when fp32 activations get a bf16 result upcast.
         out_dtype = _gemm_out_dtype(grad.dtype)
+        grad = grad.to(out_dtype)
         gq, sg = _quantize(ops, grad, bwd, row)
         grad_x = ops.gemm(gq, sg, False, wq, sw, False, out_dtype, False, granularity, backend)  # [M, K]
         if row is not None:
