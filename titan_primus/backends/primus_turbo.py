@@ -149,8 +149,9 @@ def _load_low_level(config_module: ModuleType, release: str) -> _LowLevelOps | N
     cpp = getattr(torch.ops, CPP_EXTENSION)
     granularity = config_module.ScalingGranularity
     BackendType = backend_enum.BackendType
-    # The defaults Primus-Turbo's own autograd Functions pass (ops/gemm_fp8.py,
-    # ops/grouped_gemm_fp8.py at each tag), so both paths run the same kernels.
+    # The kernels Primus-Turbo's own autograd Functions end up on (ops/gemm_fp8.py,
+    # ops/grouped_gemm_fp8.py at each tag), so both paths run the same ones: v0.3.1's rowwise
+    # asks for hipBLASLt, which has no rowwise, and falls back to CK; CK is named directly here.
     rowwise_dense = BackendType.CK if _version_key(release) < _version_key("v0.4.0") else BackendType.TRITON
     grouped = BackendType.CK if release == "v0.3.0" else BackendType.TRITON
     return _LowLevelOps(
