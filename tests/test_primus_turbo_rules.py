@@ -3,13 +3,15 @@ DOUBLE enforces it (as the kernels do; tests/doubles/ cites the upstream files) 
 either stays within it or routes the op elsewhere with the reason. Not evidence about the real
 kernels: tests/test_mi300_primus_turbo.py runs the same cases on an MI300-class GPU."""
 
+import importlib
+
 import pytest
 import torch
 from doubles import primus_turbo_double
 from helpers import make_offsets, run_grouped, run_linear
 
 import titan_primus as tp
-from titan_primus.backends.primus_turbo import load_api
+from titan_primus.backends.primus_turbo import OPS_MODULE, load_api
 
 VERSIONS = primus_turbo_double.VERSIONS
 ARCHS = ["gfx942", "gfx950"]
@@ -41,7 +43,7 @@ def fp8(t, dtype=torch.float8_e4m3fnuz):
 @pytest.mark.parametrize("version", VERSIONS)
 def test_the_kernels_write_16_bit_output_only(version, monkeypatch):
     install(monkeypatch, version)
-    turbo = __import__("primus_turbo.pytorch", fromlist=["ops"])
+    turbo = importlib.import_module(OPS_MODULE)
     x, w = torch.randn(32, 64), torch.randn(32, 64)
     error = ValueError if version != "v0.2.0" else RuntimeError  # dispatcher (v0.3.0+) vs C++ check
     with pytest.raises(error, match="No compatible backend|kBFloat16 or kHalf"):
@@ -72,7 +74,7 @@ def test_fp32_activations_keep_their_dtype(version, arch, recipe, monkeypatch):
 @pytest.mark.parametrize("version", VERSIONS)
 def test_ck_alignment_of_rowwise_dense_gemms(version, monkeypatch):
     install(monkeypatch, version)
-    turbo = __import__("primus_turbo.pytorch", fromlist=["ops"])
+    turbo = importlib.import_module(OPS_MODULE)
     config = load_api().configs["rowwise"]
     x, w = torch.randn(32, 48, dtype=torch.bfloat16, requires_grad=True), torch.randn(48, 48, requires_grad=True)
     decision = tp.select_backend("linear", "rowwise", "gfx942", k=48, n=64)
@@ -99,7 +101,7 @@ def test_ck_alignment_of_rowwise_dense_gemms(version, monkeypatch):
 @pytest.mark.parametrize("version", VERSIONS)
 def test_small_k_grouped_gemm_routes_elsewhere(version, monkeypatch):
     install(monkeypatch, version)
-    turbo = __import__("primus_turbo.pytorch", fromlist=["ops"])
+    turbo = importlib.import_module(OPS_MODULE)
     config = load_api().configs["rowwise"]
     A, W = torch.randn(40, 128, dtype=torch.bfloat16), torch.randn(2, 256, 128, dtype=torch.bfloat16)
     lens = torch.tensor([30, 10])
@@ -123,7 +125,7 @@ def test_small_k_grouped_gemm_routes_elsewhere(version, monkeypatch):
 @pytest.mark.parametrize("version", VERSIONS)
 def test_tail_rows_unwritten_before_v040_and_zero_after(version, monkeypatch):
     install(monkeypatch, version)
-    turbo = __import__("primus_turbo.pytorch", fromlist=["ops"])
+    turbo = importlib.import_module(OPS_MODULE)
     config = load_api().configs["rowwise"]
     A, W = torch.randn(50, 256, dtype=torch.bfloat16), torch.randn(2, 256, 256, dtype=torch.bfloat16)
     extra = {"out_dtype": torch.bfloat16} if version >= "v0.3.1" else {}
@@ -142,7 +144,7 @@ def test_tail_rows_unwritten_before_v040_and_zero_after(version, monkeypatch):
 
 def test_v030_tensorwise_grouped_is_refused(monkeypatch):
     install(monkeypatch, "v0.3.0")
-    turbo = __import__("primus_turbo.pytorch", fromlist=["ops"])
+    turbo = importlib.import_module(OPS_MODULE)
     A = torch.randn(40, 256, dtype=torch.bfloat16, requires_grad=True)
     W = torch.randn(2, 256, 256, dtype=torch.bfloat16)
     out = turbo.ops.grouped_gemm_fp8(A, W, torch.tensor([30, 10]), config=load_api().configs["tensorwise"])
