@@ -4,8 +4,8 @@ quantized values and apply the scales, as FP8 kernels do.
 Runs on any device and is the numerics oracle for the other backends: it reproduces every
 upstream definition of a recipe (scale math, formats, power-of-2 rounding, which operand is cast
 how). Linears dequantize and multiply in float32. Grouped GEMMs multiply the FP8 values held in
-bfloat16 (exact) with ``torch._grouped_mm`` and take the scales out after (divide, or multiply by the float32
-reciprocal for Primus-Turbo's definitions, as its kernels do), without a host sync,
+bfloat16 (exact) with ``torch._grouped_mm`` and take the scales out after (divide, or multiply by
+the float32 reciprocal for Primus-Turbo's definitions, as its kernels do), without a host sync,
 so they compile fullgraph; the bfloat16 rounding of the unscaled result is exact where scales
 are powers of two (TorchAO) and within one bfloat16 ulp otherwise (Primus-Turbo).
 """
