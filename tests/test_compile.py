@@ -1,8 +1,9 @@
 """torch.compile(fullgraph=True) of the FP8 ops and of converted TorchTitan blocks, per backend.
 
-The Primus-Turbo path runs against the TEST DOUBLE (tests/doubles/), whose ops are decorated
-torch._dynamo.disable like Primus-Turbo's since v0.3.1: fullgraph compilation works only because
-the adapter registers them as custom ops with fake implementations."""
+The Primus-Turbo path runs against the TEST DOUBLE (tests/doubles/), whose public ops are decorated
+torch._dynamo.disable like Primus-Turbo's since v0.3.1: fullgraph compilation works because the
+adapter builds the ops from Primus-Turbo's low-level custom ops (v0.3.0+) or wraps the public ops
+in custom ops (v0.2.0), all with fake implementations (tests/test_primus_turbo_compile.py)."""
 
 import pytest
 import torch
@@ -56,9 +57,9 @@ def test_grouped_mm_compiles_fullgraph_and_matches_eager(backend, device, turbo_
         primus_turbo_double.install(monkeypatch, version=turbo_version)
         tp.registry.refresh()
     offs = make_offsets([7, 0, 25, 16])
-    A = torch.randn(54, 64, dtype=torch.bfloat16)  # 6 trailing rows
-    W = (torch.randn(4, 32, 64) * 0.1).bfloat16()
-    g = torch.randn(54, 32)
+    A = torch.randn(54, 256, dtype=torch.bfloat16)  # 6 trailing rows
+    W = (torch.randn(4, 256, 256) * 0.05).bfloat16()  # K, N >= 256: Primus-Turbo's Triton limit
+    g = torch.randn(54, 256)
 
     decision = tp.select_backend("grouped_mm", "rowwise", device, backend)
 

@@ -5,11 +5,12 @@ Runs on any device and is the numerics oracle for the other backends: it reprodu
 upstream definition of a recipe (scale math, formats, power-of-2 rounding, which operand is cast
 how, and the dtype each GEMM's result is rounded to). Linears dequantize and multiply in
 float32, then round each GEMM's result to the dtype the kernels produce (see ``_gemm_result``).
-Grouped GEMMs multiply the FP8 values held in bfloat16 (exact) with ``torch._grouped_mm`` and
-divide by the scales after, without a host sync, so they compile fullgraph; the bfloat16 rounding
-of the unscaled result is exact where scales are powers of two (TorchAO) and within one bfloat16
-ulp otherwise (Primus-Turbo). Every shape runs: dimensions ``torch._grouped_mm`` cannot take
-(its strides must be 16-byte multiples) are zero-padded, which changes no amax and no result.
+Grouped GEMMs multiply the FP8 values held in bfloat16 (exact) with ``torch._grouped_mm`` and take
+the scales out after (divide, or multiply by the float32 reciprocal for Primus-Turbo's
+definitions, as its kernels do), without a host sync, so they compile fullgraph; the bfloat16
+rounding of the unscaled result is exact where scales are powers of two (TorchAO) and within one
+bfloat16 ulp otherwise (Primus-Turbo). Every shape runs: dimensions ``torch._grouped_mm`` cannot
+take (its strides must be 16-byte multiples) are zero-padded, which changes no amax and no result.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 from ..device import DeviceProfile
 from ..grouping import group_ids, zero_trailing_rows
 from ..recipes import Fp8Recipe, GemmCasts, has_definition, make_recipe
-from ..scaling import fake_quantize, quantize, quantize_per_group
+from ..scaling import fake_quantize, quantize, quantize_per_group, unscale
 from .base import Fp8Backend, Op, TensorParallelShards, Verdict
 
 __all__ = ["EmulatedBackend"]
@@ -122,6 +123,11 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.T
     return torch._grouped_mm(a, b, offs=offs).to(torch.float32)
 
 
+def _unscaled(acc: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, recipe: Fp8Recipe) -> torch.Tensor:
+    """A GEMM result with both operands' scales taken out, in the order the kernels apply them."""
+    return unscale(unscale(acc, a_scale, recipe.reciprocal_scales), b_scale, recipe.reciprocal_scales)
+
+
 def _per_row(expert_scale: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """An [E, 1, C] or [E, C, 1] per-expert scale, gathered for each row by its expert; rows past
     the last group borrow the last expert's (they are zeroed anyway)."""
@@ -156,7 +162,7 @@ class _EmulatedGroupedMM(torch.autograd.Function):
         casts = recipe.output
         a, a_scale = _operand(A, casts.a, recipe, contract_dim=1)  # rowwise: per row over K
         b, b_scale = _operand(B_t, casts.b, recipe, contract_dim=1)  # rowwise: per (expert, n) over K
-        out = _grouped_mm(a, b, offs) / a_scale / _per_row(b_scale, ids)
+        out = _unscaled(_grouped_mm(a, b, offs), a_scale, _per_row(b_scale, ids), recipe)
         ctx.save_for_backward(A, B_t, offs, ids)
         ctx.recipe = recipe
         return zero_trailing_rows(out, offs).to(torch.bfloat16)
@@ -173,7 +179,7 @@ class _EmulatedGroupedMM(torch.autograd.Function):
             c = recipe.grad_input  # [rows, N] @ [N, K] per group: contract over N
             g, g_scale = _operand(grad_out, c.a, recipe, contract_dim=1)
             b, b_scale = _operand(B_src, c.b, recipe, contract_dim=2)  # rowwise: per (expert, k) over N
-            grad_A = _grouped_mm(g, b.transpose(-2, -1), offs) / g_scale / _per_row(b_scale, ids)
+            grad_A = _unscaled(_grouped_mm(g, b.transpose(-2, -1), offs), g_scale, _per_row(b_scale, ids), recipe)
             grad_A = zero_trailing_rows(grad_A, offs).to(torch.bfloat16).to(A.dtype)
         if ctx.needs_input_grad[1]:
             c = recipe.grad_weight  # [K, rows] @ [rows, N] per group: contract over the group's rows
@@ -186,7 +192,7 @@ class _EmulatedGroupedMM(torch.autograd.Function):
                 g, g_scale = _operand(grad_out, c.a, recipe, contract_dim=0)
                 a, a_scale = _operand(A_src, c.b, recipe, contract_dim=0)
                 a_scale = a_scale.t() if a_scale.dim() else a_scale  # [1, K] -> [K, 1]
-            grad_B = (_grouped_mm(a.t(), g, offs) / a_scale / g_scale).to(torch.bfloat16).to(B_t.dtype)
+            grad_B = _unscaled(_grouped_mm(a.t(), g, offs), a_scale, g_scale, recipe).to(torch.bfloat16).to(B_t.dtype)
         return grad_A, grad_B, None, None
 
 
