@@ -90,8 +90,10 @@ class Fp8Recipe:
     """A grouped GEMM's rowwise wgrad scales are taken per group (TorchAO), or over all rows of all
     groups at once (Primus-Turbo)."""
     reciprocal_scales: bool = False
-    """Dequantize by multiplying with the float32 reciprocal ``fl(1 / scale)`` (Primus-Turbo's
-    kernels take ``scale_inv``), instead of dividing by ``scale`` (TorchAO)."""
+    """Dequantize by multiplying with the float32 reciprocal ``fl(1 / scale)``, as the kernels do
+    (Primus-Turbo's take ``scale_inv``; TorchAO hands torch._scaled_mm ``scale.reciprocal()``),
+    instead of dividing by ``scale`` (TorchAO's ``emulate=True`` path). The two differ in the last
+    bit only where scales are not powers of two."""
 
     @property
     def grouped_scales_per_expert(self) -> bool:
@@ -130,7 +132,9 @@ _PRIMUS_V02 = {**_PRIMUS, "backward_from_fp8": False}
 
 # (recipe, definition) -> (output, grad_input, grad_weight casts), options
 _TABLE: dict[tuple[str, str], tuple[tuple[GemmCasts, GemmCasts, GemmCasts], dict]] = {
-    ("tensorwise", "torchao"): (_gemms((_T4, _T4), (_T5, _T4), (_T5, _T4)), {"pow2_scales": False}),
+    # Its scales are not powers of two: dequantizing by the reciprocal, as torch._scaled_mm
+    # applies them, makes the emulation bit-identical to TorchAO's real path.
+    ("tensorwise", "torchao"): (_gemms((_T4, _T4), (_T5, _T4), (_T5, _T4)), {"pow2_scales": False, "reciprocal_scales": True}),
     ("rowwise", "torchao"): (_gemms((_R4, _R4), (_R4, _R4), (_R4, _R4)), _TORCHAO),
     ("rowwise_with_gw_hp", "torchao"): (_gemms((_R4, _R4), (_R4, _T4), (_HP, _HP)), _TORCHAO),
     # Format.HYBRID: e4m3 for input and weight, e5m2 for grad_output.

@@ -48,8 +48,9 @@ def quantize(
 
 
 def unscale(t: torch.Tensor, scale: torch.Tensor, reciprocal: bool) -> torch.Tensor:
-    """``t`` with ``scale`` taken out: divided by it, or (``reciprocal``, as Primus-Turbo's
-    kernels do) multiplied by its float32 reciprocal; the two differ in the last bit."""
+    """``t`` with ``scale`` taken out: divided by it, or (``reciprocal``, as the FP8 kernels of
+    Primus-Turbo and TorchAO do) multiplied by its float32 reciprocal; the two differ in the last
+    bit."""
     return t * torch.reciprocal(scale) if reciprocal else t / scale
 
 

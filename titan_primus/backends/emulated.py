@@ -6,8 +6,8 @@ upstream definition of a recipe (scale math, formats, power-of-2 rounding, which
 how, and the dtype each GEMM's result is rounded to). Linears dequantize and multiply in
 float32, then round each GEMM's result to the dtype the kernels produce (see ``_gemm_result``).
 Grouped GEMMs multiply the FP8 values held in bfloat16 (exact) with ``torch._grouped_mm`` and take
-the scales out after (divide, or multiply by the float32 reciprocal for Primus-Turbo's
-definitions, as its kernels do), without a host sync, so they compile fullgraph; the bfloat16
+the scales out after (divide, or multiply by the float32 reciprocal where the recipe says the
+kernels do), without a host sync, so they compile fullgraph; the bfloat16
 rounding of the unscaled result is exact where scales are powers of two (TorchAO) and within one
 bfloat16 ulp otherwise (Primus-Turbo). Every shape runs: dimensions ``torch._grouped_mm`` cannot
 take (its strides must be 16-byte multiples) are zero-padded, which changes no amax and no result.
