@@ -192,3 +192,19 @@ def test_public_ops_compile_where_torchao_was_never_imported(tmp_path):
     """))
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0 and "compiled torch.float32" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_compiled_route_follows_the_backend_override_when_traced(monkeypatch):
+    """TITAN_PRIMUS_BACKEND (read by "auto" routing) applies to graphs traced after it is set."""
+    x, w = torch.randn(16, 32), torch.randn(16, 32)
+
+    def fn(x, w):
+        return tp.fp8_linear(x, w, device="gfx942")
+
+    # On an MI300X profile the emulation runs Primus-Turbo's rowwise definition, TorchAO its own.
+    expected = {name: tp.fp8_linear(x, w, backend=name, device="gfx942") for name in ("emulated", "torchao")}
+    assert not torch.equal(expected["emulated"], expected["torchao"])
+    for name in ("emulated", "torchao"):
+        monkeypatch.setenv("TITAN_PRIMUS_BACKEND", name)
+        torch._dynamo.reset()
+        assert torch.equal(torch.compile(fn, fullgraph=True)(x, w), expected[name]), name

@@ -214,3 +214,13 @@ def test_torchtitan_has_quantization_recognises_converted_configs(model, options
     for has_quantization in (utils.has_quantization, torchtitan.trainer.has_quantization):
         assert has_quantization(converted)
         assert not has_quantization(stock)
+
+
+def test_torchtitan_orders_the_converter_as_a_quantization_converter():
+    """TorchTitan's other question about converters: quantization ones must precede LoRA."""
+    from torchtitan.components.lora import LoRAConverter
+    from torchtitan.models.utils import validate_converter_order
+
+    validate_converter_order([Float8Converter.Config(), LoRAConverter.Config()])
+    with pytest.raises(ValueError, match="must be applied before LoRAConverter"):
+        validate_converter_order([LoRAConverter.Config(), Float8Converter.Config()])

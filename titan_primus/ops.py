@@ -20,6 +20,7 @@ the public ops compile with ``fullgraph=True`` and leave no routing work in the 
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 
 import torch
@@ -27,7 +28,7 @@ import torch
 from .device import DeviceProfile
 from .recipes import Fp8Recipe
 from .registry import generation
-from .routing import BackendUnavailableError, RoutingDecision, select_backend
+from .routing import BACKEND_ENV, BackendUnavailableError, RoutingDecision, select_backend
 
 __all__ = ["Fp8InputError", "fp8_linear", "fp8_grouped_mm", "linear_compute_dtype", "resolve_op", "run_linear"]
 
@@ -97,8 +98,9 @@ def _from_constant(value):
 
 @torch.compiler.assume_constant_result
 def _route_name(key: tuple) -> str:
+    key = (*key, os.environ.get(BACKEND_ENV))  # the run-wide override, as set when this graph is traced
     if key not in _COMPILED_ROUTE_NAMES:
-        op, recipe, device, backend, k, n, _ = key
+        op, recipe, device, backend, k, n, _, _ = key
         impl, resolved, _ = resolve_op(op, _from_constant(recipe), _from_constant(device), backend, k, n)
         name = f"route_{len(_COMPILED_ROUTE_NAMES)}"
         setattr(_COMPILED_ROUTES, name, (impl, resolved))
