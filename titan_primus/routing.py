@@ -50,6 +50,8 @@ def _check(backend: Fp8Backend, op: Op, recipe: str, device: DeviceProfile, k, n
     available = backend.availability(device)
     if not available:
         return available.reason
+    if recipe not in backend.recipes:
+        return f"the {backend.name} backend does not implement recipe {recipe!r} (it implements {', '.join(backend.recipes)})"
     supported = backend.supports(op, recipe, device, k=k, n=n)
     return None if supported else supported.reason
 
