@@ -196,12 +196,14 @@ class TorchAOBackend(Fp8Backend):
     def _blocked_linear(self, x, weight, recipe):
         # Both upstream functions also block along the token dimension (wgrad) and assert whole
         # blocks there: pad the rows with zeros (no block amax changes) and drop them after.
-        rows = x.shape[0]
-        x = _pad_rows(x, _BLOCK[recipe.name])
+        rows, out_dtype = x.shape[0], x.dtype
+        # Both upstream functions take one dtype for x and weight: quantize both from the wider.
+        common = torch.promote_types(x.dtype, weight.dtype)
+        x, weight = _pad_rows(x, _BLOCK[recipe.name]).to(common), weight.to(common)
         if recipe.name == "blockwise":
             from torchao.prototype.blockwise_fp8_training.linear import fp8_blockwise_mm
 
-            return fp8_blockwise_mm.apply(x, weight, 128, x.dtype, False)[:rows]
+            return fp8_blockwise_mm.apply(x, weight, 128, out_dtype, False)[:rows]
         from torchao.prototype.moe_training.mxfp8_linear import mx_mm
         from torchao.prototype.mx_formats.config import (
             MXFP8Dim0CastKernelChoice,
@@ -215,7 +217,7 @@ class TorchAOBackend(Fp8Backend):
         else:  # TorchAO's emulated MX: its to_mx casts, dequantize, high-precision mm
             kernels = (KernelPreference.EMULATED, MXFP8Dim0CastKernelChoice.TORCH, MXFP8Dim1CastKernelChoice.TORCH)
         e4m3 = torch.float8_e4m3fn
-        return mx_mm.apply(x, weight, e4m3, e4m3, e4m3, 32, *kernels, ScaleCalculationMode.RCEIL, False)[:rows]
+        return mx_mm.apply(x, weight, e4m3, e4m3, e4m3, 32, *kernels, ScaleCalculationMode.RCEIL, False)[:rows].to(out_dtype)
 
     @cached_property
     def _grouped_mm_fn(self):
