@@ -9,7 +9,9 @@ Along a grouped GEMM's token dimension the blocks start again at each group's fi
 (:func:`segment_keys`): Primus-Turbo pads each group to the block size before its
 column-wise casts, and TorchAO's grouped kernels require groups padded to it.
 
-Nothing here synchronises with the host, so it traces under ``torch.compile(fullgraph=True)``.
+Regular blocks are reshapes of the zero-padded tensor; token blocks along a grouped dimension
+are reduced by key. Nothing here synchronises with the host, so it traces under
+``torch.compile(fullgraph=True)``.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 
 from .recipes import BlockScaleRule
 
-__all__ = ["BlockCells", "regular_keys", "segment_keys", "cells_of", "block_amax", "quantize_blocks", "dequantize"]
+__all__ = ["BlockCells", "segment_keys", "cells_of", "block_amax", "quantize_blocks", "dequantize"]
 
 # (mantissa bits, exponent of the largest power of two <= fp8 max) of each OCP FP8 format: the
 # constants of the "even" E8M0 rule (Primus-Turbo FP8E4M3_TARGET_MAX_POW2 = 8, ..._E5M2 = 15).
@@ -29,26 +31,45 @@ _E8M0_MIN, _E8M0_MAX = -127, 127
 
 
 class BlockCells:
-    """The scaling cells of a 2-D operand: ``rows`` [R] and ``cols`` [C] int64 keys, with
-    ``n_rows`` / ``n_cols`` (static upper bounds) distinct values."""
+    """The scaling cells of an [R, C] operand: regular ``block`` = (rows, cols) blocks, or, when
+    ``col_keys`` is given, one block row per ``block[0]`` rows and the cells along C named by
+    ``col_keys`` [C] (``n_cols`` distinct values, a static upper bound)."""
 
-    __slots__ = ("rows", "n_rows", "cols", "n_cols")
+    __slots__ = ("shape", "block", "col_keys", "n_rows", "n_cols")
 
-    def __init__(self, rows: torch.Tensor, n_rows: int, cols: torch.Tensor, n_cols: int):
-        self.rows, self.n_rows, self.cols, self.n_cols = rows, n_rows, cols, n_cols
+    def __init__(self, shape: tuple[int, int], block: tuple[int, int], col_keys: torch.Tensor | None = None, n_cols: int = 0):
+        self.shape, self.block, self.col_keys = shape, block, col_keys
+        self.n_rows = -(-shape[0] // block[0])
+        self.n_cols = n_cols if col_keys is not None else -(-shape[1] // block[1])
 
-    def flat(self) -> torch.Tensor:
-        """The cell index of every element, [R, C]."""
-        return self.rows.unsqueeze(1) * self.n_cols + self.cols.unsqueeze(0)
+    def _blocked(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [R, C] zero-padded to whole blocks, as [n_rows, block rows, columns] or, for
+        regular blocks, [n_rows, block rows, n_cols, block cols]."""
+        rows = self.n_rows * self.block[0]
+        cols = x.shape[1] if self.col_keys is not None else self.n_cols * self.block[1]
+        x = torch.nn.functional.pad(x, (0, cols - x.shape[1], 0, rows - x.shape[0]))
+        if self.col_keys is not None:
+            return x.reshape(self.n_rows, self.block[0], cols)
+        return x.reshape(self.n_rows, self.block[0], self.n_cols, self.block[1])
 
-    def gather(self, per_cell: torch.Tensor) -> torch.Tensor:
-        """A [n_rows * n_cols] per-cell tensor, expanded to every element [R, C]."""
-        return per_cell[self.flat()]
+    def amax(self, magnitude: torch.Tensor) -> torch.Tensor:
+        """Per-cell maximum of a non-negative [R, C] tensor, [n_rows, n_cols]."""
+        blocked = self._blocked(magnitude)
+        if self.col_keys is None:
+            return blocked.amax(dim=(1, 3))
+        per_row_block = blocked.amax(dim=1)  # [n_rows, C]
+        index = self.col_keys.unsqueeze(0).expand_as(per_row_block)
+        return per_row_block.new_zeros(self.n_rows, self.n_cols).scatter_reduce(1, index, per_row_block, "amax")
 
-
-def regular_keys(length: int, block: int, device) -> tuple[torch.Tensor, int]:
-    """Blocks of ``block`` from index 0 (the last one partial)."""
-    return torch.arange(length, device=device) // block, -(-length // block)
+    def times(self, x: torch.Tensor, per_cell: torch.Tensor) -> torch.Tensor:
+        """``x`` [R, C] (float32) times its cell's entry of ``per_cell`` [n_rows, n_cols]."""
+        rows, cols = self.shape
+        blocked = self._blocked(x)
+        if self.col_keys is None:
+            product = blocked * per_cell[:, None, :, None]
+        else:
+            product = blocked * per_cell[:, self.col_keys].unsqueeze(1)
+        return product.reshape(blocked.shape[0] * blocked.shape[1], -1)[:rows, :cols]
 
 
 def segment_keys(offs: torch.Tensor, length: int, block: int) -> tuple[torch.Tensor, int]:
@@ -71,19 +92,14 @@ def segment_keys(offs: torch.Tensor, length: int, block: int) -> tuple[torch.Ten
 def cells_of(shape: tuple[int, int], block: tuple[int, int], device, col_segments: torch.Tensor | None = None) -> BlockCells:
     """The cells of an [R, C] operand in ``block`` = (rows, cols) blocks; ``col_segments``: the
     int32 group end offsets along C when C is a grouped GEMM's token dimension."""
-    rows, n_rows = regular_keys(shape[0], block[0], device)
     if col_segments is None:
-        cols, n_cols = regular_keys(shape[1], block[1], device)
-    else:
-        cols, n_cols = segment_keys(col_segments, shape[1], block[1])
-    return BlockCells(rows, n_rows, cols, n_cols)
+        return BlockCells(tuple(shape), block)
+    return BlockCells(tuple(shape), block, *segment_keys(col_segments, shape[1], block[1]))
 
 
 def block_amax(x: torch.Tensor, cells: BlockCells) -> torch.Tensor:
-    """float32 amax of each cell, [n_rows * n_cols] (0 for cells without elements)."""
-    magnitude = x.detach().abs().to(torch.float32).reshape(-1)
-    amax = magnitude.new_zeros(cells.n_rows * cells.n_cols)
-    return amax.scatter_reduce(0, cells.flat().reshape(-1), magnitude, "amax")
+    """float32 amax of each cell, [n_rows, n_cols] (0 for cells without elements)."""
+    return cells.amax(x.detach().abs().to(torch.float32))
 
 
 def _fp32_scales(amax: torch.Tensor, fp8_dtype: torch.dtype, rule: BlockScaleRule) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,7 +134,7 @@ def quantize_blocks(
     x: torch.Tensor, fp8_dtype: torch.dtype, rule: BlockScaleRule, cells: BlockCells
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Cast ``x`` [R, C] to ``fp8_dtype`` with one scale per cell. Returns (fp8 payload [R, C],
-    float32 scale_inv [n_rows * n_cols]: what the GEMM multiplies the payload by; for E8M0 the
+    float32 scale_inv [n_rows, n_cols]: what the GEMM multiplies the payload by; for E8M0 the
     power of two 2**e itself)."""
     amax = block_amax(x, cells)
     fp8_max = torch.finfo(fp8_dtype).max
@@ -132,10 +148,10 @@ def quantize_blocks(
         if rule.rounding == "rceil":
             # TorchAO's _to_mx_rceil multiplies by 1.0, not 2**127, where the byte is 0.
             multiplier = torch.where(exponent == _E8M0_MIN, torch.ones_like(multiplier), multiplier)
-    data = (x.to(torch.float32) * cells.gather(multiplier)).clamp(-fp8_max, fp8_max).to(fp8_dtype)
+    data = cells.times(x.to(torch.float32), multiplier).clamp(-fp8_max, fp8_max).to(fp8_dtype)
     return data, scale_inv
 
 
 def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, cells: BlockCells) -> torch.Tensor:
     """The float32 values a block-scaled GEMM multiplies: payload x its cell's scale_inv."""
-    return data.to(torch.float32) * cells.gather(scale_inv)
+    return cells.times(data.to(torch.float32), scale_inv)
