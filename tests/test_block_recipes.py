@@ -240,13 +240,17 @@ def test_expert_parallel_ranks_compute_the_same_numbers(name, definition, device
     assert all(db > 100 for db in measured), measured
 
 
-def test_tensor_parallelism_is_refused_for_block_recipes():
-    class Dims:
-        tp, ep = 2, 1
+def test_parallelism_rules():
+    """FSDP and expert parallelism keep every block whole: allowed. Tensor parallelism: refused."""
+    from types import SimpleNamespace
 
-    recipe = _recipe("blockwise", "torchao", "sm90")
-    with pytest.raises(ValueError, match="block-scaled recipe"):
-        check_parallelism("layers.0.attention.wq", Dims(), (EmulatedBackend(), recipe), experts=False, passes_shards=True)
+    for name, definition, device in (("blockwise", "torchao", "sm90"), ("mxfp8", "primus_turbo", "gfx950"),
+                                     ("blockwise", "primus_turbo", "gfx942")):
+        recipe = _recipe(name, definition, device)
+        check_parallelism("moe.experts", SimpleNamespace(tp=1, ep=4), (EmulatedBackend(), recipe), experts=True)
+        with pytest.raises(ValueError, match="block-scaled recipe"):
+            check_parallelism("attention.wq", SimpleNamespace(tp=2, ep=1), (EmulatedBackend(), recipe),
+                              experts=False, passes_shards=True)
 
 
 # --- the TorchAO backend's own MX path on a CPU ---------------------------------------------

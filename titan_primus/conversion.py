@@ -93,7 +93,8 @@ def check_parallelism(
             f"titan-primus: expert parallelism (degree {parallel_dims.ep}) with recipe "
             f"{recipe.describe()} is not supported: its grouped-GEMM scales span all experts, and "
             f"each rank holds only some of them. Use recipe 'rowwise' with the TorchAO definition "
-            f"(TorchAO or the emulation on non-MI300 devices), or turn grouped_experts off."
+            f"(TorchAO or the emulation on non-MI300 devices), 'mxfp8' or 'blockwise' (per-expert "
+            f"blocks), or turn grouped_experts off."
         )
 
 
