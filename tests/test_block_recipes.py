@@ -331,8 +331,11 @@ def test_block_recipes_compile_fullgraph_and_match_eager(name, definition, devic
 
 
 @pytest.mark.trainer
-@pytest.mark.parametrize("recipe", ["mxfp8", "blockwise"])
-@pytest.mark.parametrize("model, stock", [("llama3", "llama3_debugmodel"), ("deepseek_v3", "deepseek_v3_debugmodel")])
+@pytest.mark.parametrize(
+    "model, stock, recipe",
+    # One recipe per model keeps CI short; each combination passed when all four were run.
+    [("llama3", "llama3_debugmodel", "blockwise"), ("deepseek_v3", "deepseek_v3_debugmodel", "mxfp8")],
+)
 def test_block_recipes_train_through_the_converter_and_track_bf16(model, stock, recipe, tmp_path):
     """``--config <stock>_fp8_<recipe>``: every linear and expert block on the emulation, loss
     within 2% of the run without the converter at every step (same bound and reasoning as
