@@ -5,9 +5,10 @@ times its cell's scale_inv is multiplied in float32, as the block-scaled kernels
 partial products by both operands' scales in float32. Every GEMM re-quantizes from the
 high-precision tensors (both upstreams do so for these recipes).
 
-Grouped GEMMs run one masked float32 GEMM per expert: ``torch._grouped_mm`` takes only bfloat16
-under ``torch.compile``, and 1x128-tile scales are not powers of two, so a bfloat16 product of
-dequantized values would not be exact. The expert count is static, so this compiles fullgraph.
+Grouped GEMMs multiply the dequantized operands in float32: with ``torch._grouped_mm`` in eager
+mode on a CPU, else (under ``torch.compile``, whose ``_grouped_mm`` takes only bfloat16, and on
+GPUs) as one masked GEMM per expert, a static loop that compiles fullgraph. 1x128-tile scales
+are not powers of two, so a bfloat16 product of dequantized values would not be exact.
 """
 
 from __future__ import annotations
@@ -79,12 +80,27 @@ class _BlockedLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None
 
 
-def _per_expert(a: torch.Tensor, b: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def _eager_cpu(t: torch.Tensor) -> bool:
+    # torch._grouped_mm multiplies float32 on a CPU in eager mode (not under compile, not on GPUs).
+    return t.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def _per_expert(a: torch.Tensor, b: torch.Tensor, ids: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """Row r of the result is a[r] @ b[ids[r]].T: a [R, C], b [E, N, C]; rows of no expert are 0."""
+    if _eager_cpu(a):
+        return zero_trailing_rows(torch._grouped_mm(a, b.transpose(-2, -1), offs=offs), offs)
     out = a.new_zeros(a.shape[0], b.shape[1])
     for e in range(b.shape[0]):
         out = torch.where((ids == e).unsqueeze(1), a @ b[e].t(), out)
     return out
+
+
+def _per_group_outer(g: torch.Tensor, a: torch.Tensor, ids: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """[E, N, K]: entry e is g[:, rows of e] @ a[:, rows of e].T, for g [N, R] and a [K, R]."""
+    if _eager_cpu(g):
+        return torch._grouped_mm(g, a.t(), offs=offs)
+    zero = torch.zeros((), device=g.device)
+    return torch.stack([torch.where(ids == e, g, zero) @ a.t() for e in range(len(offs))])
 
 
 class _BlockedGroupedMM(torch.autograd.Function):
@@ -94,7 +110,7 @@ class _BlockedGroupedMM(torch.autograd.Function):
             A = zero_trailing_rows(A, offs)
             ids = group_ids(offs, A.shape[0])
             c = recipe.output  # per expert: [rows, K] @ [N, K]^T
-            out = _per_expert(_cast(A, c.a, recipe), _cast(B_t.transpose(-2, -1), c.b, recipe), ids)
+            out = _per_expert(_cast(A, c.a, recipe), _cast(B_t.transpose(-2, -1), c.b, recipe), ids, offs)
             ctx.save_for_backward(A, B_t, offs, ids)
             ctx.recipe = recipe
             return out.to(torch.bfloat16)
@@ -108,15 +124,12 @@ class _BlockedGroupedMM(torch.autograd.Function):
             grad_out = zero_trailing_rows(grad_out, offs)
             if ctx.needs_input_grad[0]:
                 c = recipe.grad_input  # per expert: [rows, N] @ [K, N]^T
-                grad_A = _per_expert(_cast(grad_out, c.a, recipe), _cast(B_t, c.b, recipe), ids).to(A.dtype)
+                grad_A = _per_expert(_cast(grad_out, c.a, recipe), _cast(B_t, c.b, recipe), ids, offs).to(A.dtype)
             if ctx.needs_input_grad[1]:
                 c = recipe.grad_weight  # per expert: [N, rows] @ [K, rows]^T, token blocks per group
                 g = _cast(grad_out.t(), c.a, recipe, segments=offs)
                 a = _cast(A.t(), c.b, recipe, segments=offs)
-                grad_W = torch.stack([
-                    torch.where(ids == e, g, torch.zeros((), device=g.device)) @ a.t() for e in range(B_t.shape[0])
-                ])  # [E, N, K]
-                grad_B = grad_W.transpose(-2, -1).to(B_t.dtype)
+                grad_B = _per_group_outer(g, a, ids, offs).transpose(-2, -1).to(B_t.dtype)
         return grad_A, grad_B, None, None
 
 
