@@ -113,8 +113,9 @@ class ConversionOptions:
     both TorchTitan lines (0.3's ``Float8Converter.Config``, 0.2.x's ``[titan_primus]`` section)."""
 
     backend: str = "auto"
-    """"auto" (Primus-Turbo on MI300-class GPUs, TorchAO on other FP8 GPUs, else the
-    emulation), or one of "primus_turbo", "torchao", "emulated" (or a plugin backend)."""
+    """"auto" (Primus-Turbo on MI300-class GPUs, TorchAO on other FP8 GPUs, the emulation on
+    CPUs; on a GPU, layers no kernel there can run stay in high precision), or one of
+    "primus_turbo", "torchao", "emulated" (or a plugin backend)."""
     recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8", "blockwise"] = "rowwise"
     """FP8 recipe: TorchAO's names, plus "mxfp8" (MX: 1x32 blocks, E8M0 scales) and "blockwise"
     (DeepSeek-V3: 1x128 activation tiles, 128x128 weight blocks)."""
