@@ -46,12 +46,9 @@ __all__ = [
     "BlockScaleRule",
     "make_recipe",
     "check_recipe_name",
-    "BLOCK_RECIPES",
 ]
 
 RECIPE_NAMES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8", "blockwise")
-BLOCK_RECIPES = ("mxfp8", "blockwise")
-"""Recipes whose scales cover blocks of a tensor (block shapes in each OperandCast)."""
 DEFINITIONS = ("torchao", "primus_turbo", "primus_turbo_v0.2")
 
 Format = Literal["e4m3", "e5m2"]
