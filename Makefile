@@ -36,7 +36,7 @@ test: $(STAMP)
 	$(RUN) $(PY) -m pytest -q
 
 demo: $(STAMP)
-	$(RUN) $(PY) examples/demo.py
+	$(RUN) $(PY) examples/demo.py $(if $(RECIPE),--recipe $(RECIPE))
 
 # TorchTitan 0.2.x and 0.3 cannot share a venv: tests_tt02 runs in its own, built the same way.
 VENV_TT02  := .venv-tt02

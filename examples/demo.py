@@ -4,10 +4,14 @@ Trains TorchTitan 0.3's llama3 debug model (dense) and deepseek_v3 debug model (
 steps each with ``--module titan_primus``, launched by torchrun through the CPU launcher when
 there is no GPU, on the tokenizer and corpus shipped in examples/assets. Prints titan-primus's
 routing report and the losses, next to a run of the same model without the converter.
+
+``--recipe mxfp8`` (or ``make demo RECIPE=mxfp8``) trains with another FP8 recipe: any of
+titan-primus's recipe names, e.g. ``blockwise`` for DeepSeek-V3's 128-block FP8.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import subprocess
@@ -16,6 +20,8 @@ import tempfile
 from pathlib import Path
 
 import torch
+
+from titan_primus.recipes import RECIPE_NAMES
 
 EXAMPLES = Path(__file__).resolve().parent
 RUNS = [
@@ -66,9 +72,14 @@ def train(module: str, config: str, steps: int, dump: Path, show_routing: bool) 
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--recipe", choices=RECIPE_NAMES, default="rowwise", help="FP8 recipe (default: rowwise)")
+    recipe = parser.parse_args().recipe
+    suffix = "" if recipe == "rowwise" else f"_{recipe}"
     with tempfile.TemporaryDirectory(prefix="titan-primus-demo-") as tmp:
         summary = []
         for model, stock, fp8, steps in RUNS:
+            fp8 += suffix
             print(f"\n== {model}: {fp8} (titan-primus) ==", flush=True)
             with_fp8 = train("titan_primus", fp8, steps, Path(tmp) / fp8, show_routing=True)
             print(f"\n== {model}: {stock} (no converter, same seed and data) ==", flush=True)

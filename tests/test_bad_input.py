@@ -47,7 +47,7 @@ def test_linear_errors(overrides, message):
         ({"offs": make_offsets([4, 3, 3])}, r"one entry per expert: shape \(2,\)"),
         ({"A": torch.randn(10, 24)}, r"A's K \(24\) must equal B_t's K \(32\)"),
         ({"A": torch.randn(10, 32).to(torch.int8)}, "A must be float32, bfloat16 or float16"),
-        ({"recipe": "mxfp8"}, "unknown FP8 recipe 'mxfp8'"),
+        ({"recipe": "nvfp4"}, "unknown FP8 recipe 'nvfp4'"),
     ],
 )
 def test_grouped_mm_errors(overrides, message):

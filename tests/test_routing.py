@@ -16,10 +16,11 @@ from titan_primus.hookspec import hookimpl
         ("cpu", "grouped_mm", "rowwise", "emulated"),
         ("sm90", "linear", "tensorwise", "torchao"),
         ("sm90", "grouped_mm", "rowwise", "torchao"),
-        ("sm90", "grouped_mm", "tensorwise", "emulated"),  # TorchAO has only rowwise grouped GEMMs
         ("gfx942", "linear", "rowwise", "torchao"),  # no Primus-Turbo here
         ("gfx950", "grouped_mm", "rowwise", "torchao"),
-        ("gfx90a", "linear", "rowwise", "emulated"),  # MI250: no FP8 units
+        ("sm100", "linear", "mxfp8", "torchao"),
+        ("sm100", "grouped_mm", "mxfp8", "torchao"),
+        ("sm90", "linear", "blockwise", "torchao"),
     ],
 )
 def test_auto_routing_without_primus_turbo(device, op, recipe, expected):
@@ -38,7 +39,7 @@ def test_auto_routing_with_primus_turbo(arch, monkeypatch):
     for op in ("linear", "grouped_mm"):
         decision = tp.select_backend(op, "rowwise", arch)
         assert decision.backend_name == "primus_turbo"
-        assert decision.passed_over == ()
+        assert all("not chosen automatically" in why for _, why in decision.passed_over)
         assert decision.recipe.e4m3 == (torch.float8_e4m3fnuz if arch == "gfx942" else torch.float8_e4m3fn)
     # Not on NVIDIA, even with Primus-Turbo importable.
     assert tp.select_backend("linear", "rowwise", "sm90").backend_name == "torchao"
@@ -70,10 +71,33 @@ def test_explicit_unavailable_backend_is_a_clear_error():
         tp.select_backend("linear", "rowwise", "cpu", requested="cutlass")
 
 
-def test_shapes_the_kernels_cannot_take_fall_back_with_reason():
-    decision = tp.select_backend("linear", "rowwise", "sm90", k=100, n=64)
-    assert decision.backend_name == "emulated"
-    assert "K=100" in dict(decision.passed_over)["torchao"]
+@pytest.mark.parametrize(
+    "device, op, recipe, why",
+    [
+        ("sm90", "grouped_mm", "tensorwise", "only the rowwise recipe"),  # TorchAO: rowwise grouped only
+        ("gfx90a", "linear", "rowwise", "no FP8 units"),  # MI250
+        ("sm80", "linear", "tensorwise", "no FP8 units"),  # A100
+        ("gfx942", "linear", "mxfp8", "SM100"),  # no MX hardware (and Primus-Turbo not wired for it)
+        ("sm90", "linear", "mxfp8", "SM100"),
+        ("sm90", "grouped_mm", "blockwise", "DeepGEMM"),
+        ("sm100", "linear", "blockwise", "SM90 only"),
+    ],
+)
+def test_gpus_never_fall_back_to_emulation_automatically(device, op, recipe, why):
+    """On a GPU, what its FP8 kernels cannot run is refused with the reasons (the converter then
+    keeps those layers in high precision); the emulation runs there only when named."""
+    with pytest.raises(tp.BackendUnavailableError, match=why) as info:
+        tp.select_backend(op, recipe, device)
+    assert "only when requested by name" in str(info.value)
+    assert tp.select_backend(op, recipe, device, "emulated").backend_name == "emulated"
+
+
+def test_shapes_the_kernels_cannot_take_are_refused_with_reason():
+    with pytest.raises(tp.BackendUnavailableError, match="K=100"):
+        tp.select_backend("linear", "rowwise", "sm90", k=100, n=64)
+    with pytest.raises(tp.BackendUnavailableError, match=r"divisible by 32 \(K=48\)"):
+        tp.select_backend("linear", "mxfp8", "sm100", k=48, n=64)
+    assert tp.select_backend("linear", "mxfp8", "cpu", k=48, n=64).backend_name == "emulated"
 
 
 class _BetterBackend(EmulatedBackend):

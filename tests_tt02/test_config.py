@@ -50,6 +50,14 @@ def test_cli_overrides_the_toml_section():
     )
 
 
+@pytest.mark.parametrize("recipe", ["mxfp8", "blockwise"])
+def test_block_recipes_are_accepted_from_the_command_line(recipe):
+    config = parse("--titan_primus.recipe", recipe)
+    assert config.titan_primus.recipe == recipe
+    (converter,) = build_model_converters(config, parallel_dims()).converters
+    assert converter.router.options.recipe == recipe
+
+
 def test_unknown_option_in_the_section_is_refused_by_torchtitan(tmp_path):
     toml = (EXAMPLES / "llama3_debug_fp8.toml").read_text().replace('recipe = "rowwise"', 'recipes = "rowwise"')
     (tmp_path / "bad.toml").write_text(toml)

@@ -29,6 +29,10 @@ CASES = [
     ("emulated", "gfx942", "rowwise"),
     ("primus_turbo", "gfx942", "rowwise"),
     ("primus_turbo", "gfx950", "tensorwise"),
+    ("emulated", "cpu", "mxfp8"),
+    ("emulated", "gfx950", "mxfp8"),
+    ("emulated", "cpu", "blockwise"),
+    ("emulated", "gfx942", "blockwise"),
 ]
 
 # Unaligned groups, empty groups (first, middle, last): what TorchTitan's router hands experts.

@@ -2,7 +2,8 @@
 
 NAME is any stock config function of the llama3, deepseek_v3 or qwen3 models, with ``_fp8``
 appended, optionally followed by a recipe: ``llama3_8b_fp8``, ``deepseek_v3_debugmodel_fp8``,
-``qwen3_moe_debug_fp8_tensorwise``, ``llama3_70b_fp8_rowwise_with_gw_hp``. The stock config is
+``qwen3_moe_debug_fp8_tensorwise``, ``llama3_70b_fp8_rowwise_with_gw_hp``,
+``deepseek_v3_debugmodel_fp8_mxfp8``, ``deepseek_v3_671b_fp8_blockwise``. The stock config is
 built as TorchTitan defines it, then the converter (default recipe "rowwise", backend "auto", or
 ``TITAN_PRIMUS_BACKEND``) rewrites its model. No Python needed.
 

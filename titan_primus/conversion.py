@@ -33,14 +33,15 @@ __all__ = [
 logger = logging.getLogger("titan_primus")
 
 # Token-group alignment a backend's FP8 grouped GEMM needs. TorchAO's needs every group padded
-# to a multiple of 16; Primus-Turbo and the emulation take ragged groups.
-_GROUP_ALIGNMENT = {"torchao": 16}
+# to a multiple of 16, and of its MX block (32) for mxfp8; Primus-Turbo and the emulation take
+# ragged groups (Primus-Turbo pads each group to its block inside its block-scaled kernels).
+_GROUP_ALIGNMENT = {"torchao": 16, ("torchao", "mxfp8"): 32}
 
 
-def group_alignment(backend_name: str) -> int | None:
-    """Multiple that every token group must be padded to for ``backend_name``'s grouped GEMM,
-    or None when it takes ragged groups."""
-    return _GROUP_ALIGNMENT.get(backend_name)
+def group_alignment(backend_name: str, recipe: str | None = None) -> int | None:
+    """Multiple that every token group must be padded to for ``backend_name``'s grouped GEMM
+    with ``recipe``, or None when it takes ragged groups."""
+    return _GROUP_ALIGNMENT.get((backend_name, recipe), _GROUP_ALIGNMENT.get(backend_name))
 
 
 def too_small_for_fp8(recipe: str, k: int, n: int) -> bool:
@@ -70,6 +71,13 @@ def check_parallelism(
         (decision_or_recipe.backend, decision_or_recipe.recipe)
         if isinstance(decision_or_recipe, RoutingDecision) else decision_or_recipe
     )
+    if parallel_dims.tp > 1 and recipe.block_scaled:
+        raise ValueError(
+            f"titan-primus: tensor parallelism (degree {parallel_dims.tp}) is not supported with the "
+            f"block-scaled recipe {recipe.describe()} yet: its blocks would have to align with every "
+            f"shard boundary. Use FSDP (data_parallel_shard_degree) and expert parallelism, which "
+            f"keep every block whole, or keep TP-sharded layers in high precision with filter_fqns."
+        )
     if parallel_dims.tp > 1 and (experts or not (passes_shards and backend.tensor_parallel_scales)):
         what = "MoE experts" if experts else f"the {backend.name} backend" + ("" if passes_shards else " here")
         raise ValueError(
@@ -85,7 +93,8 @@ def check_parallelism(
             f"titan-primus: expert parallelism (degree {parallel_dims.ep}) with recipe "
             f"{recipe.describe()} is not supported: its grouped-GEMM scales span all experts, and "
             f"each rank holds only some of them. Use recipe 'rowwise' with the TorchAO definition "
-            f"(TorchAO or the emulation on non-MI300 devices), or turn grouped_experts off."
+            f"(TorchAO or the emulation on non-MI300 devices), 'mxfp8' or 'blockwise' (per-expert "
+            f"blocks), or turn grouped_experts off."
         )
 
 
@@ -104,10 +113,12 @@ class ConversionOptions:
     both TorchTitan lines (0.3's ``Float8Converter.Config``, 0.2.x's ``[titan_primus]`` section)."""
 
     backend: str = "auto"
-    """"auto" (Primus-Turbo on MI300-class GPUs, TorchAO on other FP8 GPUs, else the
-    emulation), or one of "primus_turbo", "torchao", "emulated" (or a plugin backend)."""
-    recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "rowwise"
-    """FP8 recipe, as TorchAO names them."""
+    """"auto" (Primus-Turbo on MI300-class GPUs, TorchAO on other FP8 GPUs, the emulation on
+    CPUs; on a GPU, layers no kernel there can run stay in high precision), or one of
+    "primus_turbo", "torchao", "emulated" (or a plugin backend)."""
+    recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8", "blockwise"] = "rowwise"
+    """FP8 recipe: TorchAO's names, plus "mxfp8" (MX: 1x32 blocks, E8M0 scales) and "blockwise"
+    (DeepSeek-V3: 1x128 activation tiles, 128x128 weight blocks)."""
     linears: bool = True
     """Convert linear layers."""
     grouped_experts: bool = True
@@ -200,12 +211,20 @@ class LayerRouter:
         self.options = options
         self.device = resolve_device(options.device)
         self.report = ConversionReport(self.device, options.recipe)
+        self._unroutable: dict[str, str] = {}
 
-    def decision(self, op: Op) -> RoutingDecision:
-        """The backend that runs ``op`` here, decided on first use."""
-        if op not in self.report.decisions:
-            self.report.decisions[op] = self._route(op)
-        return self.report.decisions[op]
+    def decision(self, op: Op) -> RoutingDecision | None:
+        """The backend that runs ``op`` here, decided on first use; None when no backend can
+        (then every such layer stays in high precision, with the reason)."""
+        if op not in self.report.decisions and op not in self._unroutable:
+            try:
+                self.report.decisions[op] = self._route(op)
+            except BackendUnavailableError as e:
+                if self.options.strict:
+                    raise
+                logger.warning("titan-primus: %s; those layers stay in high precision", e)
+                self._unroutable[op] = f"no FP8 backend here: {e}"
+        return self.report.decisions.get(op)
 
     def linear(self, fqn: str, in_features: int, out_features: int, *, unconvertible: str | None = None):
         """The decision for the linear at ``fqn``, or None when it stays in high precision.
@@ -251,10 +270,12 @@ class LayerRouter:
                 )
         return decision
 
-    def _skip_reason(self, fqn: str, decision: RoutingDecision, op: Op, k: int, n: int) -> str | None:
+    def _skip_reason(self, fqn: str, decision: RoutingDecision | None, op: Op, k: int, n: int) -> str | None:
         matched = [f for f in self.options.filter_fqns if f in fqn]
         if matched:
             return f"matches filter_fqns entry {matched[0]!r}"
+        if decision is None:
+            return self._unroutable[op]
         if op == "linear" and self.options.auto_filter_small_kn and too_small_for_fp8(self.options.recipe, k, n):
             return f"too small to gain from FP8 (K={k}, N={n}; auto_filter_small_kn)"
         supported = decision.backend.supports(op, self.options.recipe, self.device, k=k, n=n)

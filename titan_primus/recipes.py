@@ -21,6 +21,13 @@ the emulated backend can reproduce either exactly:
 - ``"primus_turbo_v0.2"``: Primus-Turbo v0.2.0-v0.3.0, where those backward copies are quantized
   from the high-precision tensors instead.
 Primus-Turbo has no high-precision-wgrad recipe, so rowwise_with_gw_hp has no Primus-Turbo definition.
+
+The block-scaled recipes (``mxfp8``: blocks of 32 along the contracted dimension with E8M0
+power-of-two scales; ``blockwise``: DeepSeek-V3's 1x128 activation tiles and 128x128 weight
+blocks with float32 scales) carry their block shapes per operand and their scale rule
+(:class:`BlockScaleRule`); ``docs/recipes-blocked.md`` cites the upstream code for each row.
+Primus-Turbo's block-scaled GEMMs are the same at every tag from v0.2.0 to v0.4.0 for
+``blockwise``; its ``mxfp8`` row is v0.4.0's (the first tag with grouped MX GEMMs).
 """
 
 from __future__ import annotations
@@ -38,23 +45,50 @@ __all__ = [
     "OperandCast",
     "GemmCasts",
     "Fp8Recipe",
+    "BlockScaleRule",
     "make_recipe",
     "check_recipe_name",
 ]
 
-RECIPE_NAMES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+RECIPE_NAMES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8", "blockwise")
 DEFINITIONS = ("torchao", "primus_turbo", "primus_turbo_v0.2")
 
 Format = Literal["e4m3", "e5m2"]
-Granularity = Literal["tensorwise", "rowwise"]
+Granularity = Literal["tensorwise", "rowwise", "block"]
 
 
 @dataclass(frozen=True)
 class OperandCast:
-    """How one GEMM operand is cast. ``fmt=None`` keeps it in high precision."""
+    """How one GEMM operand is cast. ``fmt=None`` keeps it in high precision.
+
+    ``block`` (granularity "block" only): the scaling block as (rows, columns) of the operand
+    laid out [non-contracted, contracted]: (1, 128) is a 1x128 tile along the contracted
+    dimension, (128, 128) a square block, (1, 32) an MX block. Blocks start at index 0 of each
+    dimension; where the contracted dimension is a grouped GEMM's token dimension (its wgrad),
+    they start at each group's first row instead (groups are padded per segment upstream)."""
 
     fmt: Format | None
     granularity: Granularity = "tensorwise"
+    block: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class BlockScaleRule:
+    """How a block-scaled cast turns a block's amax into its scale.
+
+    ``"fp32"``: scale = fp8_max / max(amax, amax_eps), computed in float64 then stored as float32
+    (``float64=True``, TorchAO) or computed in float32 (Primus-Turbo's Triton kernels); payload =
+    saturate(x * scale); the GEMM multiplies by scale_inv = float32(1 / scale).
+    ``"e8m0"``: a power-of-two scale 2**e, e in [-127, 128] (E8M0 biased byte e + 127); payload =
+    saturate(x / 2**e). ``rounding`` picks e: ``"rceil"`` = ceil(log2(amax / fp8_max)) (TorchAO's
+    ScaleCalculationMode.RCEIL, NVIDIA's cvt.rp.ue8m0), ``"even"`` = the exponent of amax rounded
+    to fp8's mantissa width, minus fp8_max's exponent (OCP "even"; Primus-Turbo's
+    compute_tile_scale, TorchAO's ScaleCalculationMode.EVEN)."""
+
+    kind: Literal["fp32", "e8m0"]
+    amax_eps: float = 0.0
+    float64: bool = False
+    rounding: Literal["rceil", "even"] | None = None
 
 
 HIGH_PRECISION = OperandCast(None)
@@ -94,12 +128,20 @@ class Fp8Recipe:
     (Primus-Turbo's take ``scale_inv``; TorchAO hands torch._scaled_mm ``scale.reciprocal()``),
     instead of dividing by ``scale`` (TorchAO's ``emulate=True`` path). The two differ in the last
     bit only where scales are not powers of two."""
+    block_scale: BlockScaleRule | None = None
+    """The scale rule of the block-scaled casts (block recipes only)."""
+
+    @property
+    def block_scaled(self) -> bool:
+        return self.block_scale is not None
 
     @property
     def grouped_scales_per_expert(self) -> bool:
         """Every scale of a grouped GEMM covers one expert's data only (rowwise casts, per-group
         wgrad), so expert parallelism, where a rank holds some experts and their tokens,
         computes the same scales as one device does."""
+        if self.block_scaled:  # per-expert weight blocks, per-token tiles, per-group token blocks
+            return True
         casts = [c for gemm in (self.output, self.grad_input, self.grad_weight) for c in (gemm.a, gemm.b)]
         if any(c.fmt is not None and c.granularity != "rowwise" for c in casts):
             return False
@@ -125,6 +167,10 @@ _T4 = OperandCast("e4m3", "tensorwise")
 _T5 = OperandCast("e5m2", "tensorwise")
 _R4 = OperandCast("e4m3", "rowwise")
 _HP = HIGH_PRECISION
+_TILE128 = OperandCast("e4m3", "block", (1, 128))
+_BLOCK128 = OperandCast("e4m3", "block", (128, 128))
+_MX = OperandCast("e4m3", "block", (1, 32))
+_MX_2D = OperandCast("e4m3", "block", (32, 32))
 
 _TORCHAO = {"pow2_scales": True}
 _PRIMUS = {"pow2_scales": False, "grouped_wgrad_per_group": False, "backward_from_fp8": True, "reciprocal_scales": True}
@@ -142,7 +188,33 @@ _TABLE: dict[tuple[str, str], tuple[tuple[GemmCasts, GemmCasts, GemmCasts], dict
     ("rowwise", "primus_turbo"): (_gemms((_R4, _R4), (_R4, _R4), (_R4, _R4)), _PRIMUS),
     ("tensorwise", "primus_turbo_v0.2"): (_gemms((_T4, _T4), (_T5, _T4), (_T5, _T4)), _PRIMUS_V02),
     ("rowwise", "primus_turbo_v0.2"): (_gemms((_R4, _R4), (_R4, _R4), (_R4, _R4)), _PRIMUS_V02),
+    # MXFP8TrainingOpConfig / MXFP8Linear defaults: e4m3fn everywhere (grads too), RCEIL.
+    ("mxfp8", "torchao"): (
+        _gemms((_MX, _MX), (_MX, _MX), (_MX, _MX)), {"pow2_scales": False, "block_scale": BlockScaleRule("e8m0", rounding="rceil")},
+    ),
+    # Float8BlockwiseLinear / _Float8BlockwiseGroupedMM: e4m3 everywhere, EPS 1e-12, float64.
+    ("blockwise", "torchao"): (
+        _gemms((_TILE128, _BLOCK128), (_TILE128, _BLOCK128), (_TILE128, _TILE128)),
+        {"pow2_scales": False, "block_scale": BlockScaleRule("fp32", amax_eps=1e-12, float64=True)},
+    ),
+    # Float8QuantConfig(format=E4M3, granularity=MX_BLOCKWISE, scale_dtype=E8M0, block_size=32),
+    # v0.4.0: weights in 32x32 blocks (ScalingRecipe(use_2d_block=True)), everything from the
+    # high-precision tensors, "even" E8M0 rounding.
+    ("mxfp8", "primus_turbo"): (
+        _gemms((_MX, _MX_2D), (_MX, _MX_2D), (_MX, _MX)), {"pow2_scales": False, "block_scale": BlockScaleRule("e8m0", rounding="even")},
+    ),
+    # Float8QuantConfig(format=E4M3, granularity=BLOCKWISE, block_size=128): Triton quantizers with
+    # amax floored at 1e-4, float32 math; weights in 128x128 blocks, reused by dgrad.
+    ("blockwise", "primus_turbo"): (
+        _gemms((_TILE128, _BLOCK128), (_TILE128, _BLOCK128), (_TILE128, _TILE128)),
+        {"pow2_scales": False, "block_scale": BlockScaleRule("fp32", amax_eps=1e-4)},
+    ),
 }
+# v0.2.0-v0.3.0 run the same blockwise numerics; their MX GEMMs differ (no grouped MX, v0.2.0
+# 1x32 weights), so mxfp8 has no primus_turbo_v0.2 definition.
+_TABLE["blockwise", "primus_turbo_v0.2"] = _TABLE["blockwise", "primus_turbo"]
+# MX is defined on OCP e4m3fn (E8M0 rounding assumes fp8_max 448), on every device.
+_OCP_ONLY = {"mxfp8"}
 
 
 def check_recipe_name(name: str) -> str:
@@ -163,7 +235,8 @@ def make_recipe(name: str, definition: str, device: DeviceProfile) -> Fp8Recipe:
     if (name, definition) not in _TABLE:
         raise ValueError(
             f"recipe {name!r} has no {definition} definition: Primus-Turbo has no high-precision "
-            f"wgrad recipe; use 'rowwise' on Primus-Turbo or the torchao definition"
+            f"wgrad recipe and no MX GEMMs before v0.4.0; use the torchao definition"
         )
     gemms, options = _TABLE[name, definition]
-    return Fp8Recipe(name, definition, *gemms, e4m3=device.e4m3, e5m2=device.e5m2, **options)
+    formats = (torch.float8_e4m3fn, torch.float8_e5m2) if name in _OCP_ONLY else (device.e4m3, device.e5m2)
+    return Fp8Recipe(name, definition, *gemms, e4m3=formats[0], e5m2=formats[1], **options)

@@ -50,6 +50,8 @@ def _check(backend: Fp8Backend, op: Op, recipe: str, device: DeviceProfile, k, n
     available = backend.availability(device)
     if not available:
         return available.reason
+    if recipe not in backend.recipes:
+        return f"the {backend.name} backend does not implement recipe {recipe!r} (it implements {', '.join(backend.recipes)})"
     supported = backend.supports(op, recipe, device, k=k, n=n)
     return None if supported else supported.reason
 
@@ -67,7 +69,8 @@ def select_backend(
 
     ``requested="auto"`` (overridden for a whole run by ``TITAN_PRIMUS_BACKEND``) takes the
     highest-ranked backend that can run it: Primus-Turbo on MI300-class devices where it imports,
-    else TorchAO where the device has FP8 hardware, else the emulation. A backend requested by
+    else TorchAO where the device has FP8 hardware; the emulation on a CPU (on a GPU it runs only
+    when requested, never in place of missing kernels). A backend requested by
     name must be able to run it, or this raises :class:`BackendUnavailableError` with the reason.
     ``k``/``n`` (contracted and output dims) let backends refuse shapes their kernels cannot take.
     """

@@ -61,6 +61,10 @@ class Fp8Backend(ABC):
     name: ClassVar[str]
     tensor_parallel_scales: ClassVar[bool] = False
     """Whether ``linear`` takes ``shards`` (TensorParallelShards) and computes whole-tensor scales."""
+    recipes: ClassVar[tuple[str, ...]] = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+    """The recipe names this backend implements; routing refuses the others before asking
+    ``supports``. Recipes added to titan-primus later (``mxfp8``, ``blockwise``) reach a backend
+    only once it lists them."""
 
     @abstractmethod
     def rank(self, device: DeviceProfile) -> int:

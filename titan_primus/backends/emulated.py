@@ -20,9 +20,10 @@ import torch.nn.functional as F
 
 from ..device import DeviceProfile
 from ..grouping import group_ids, zero_trailing_rows
-from ..recipes import Fp8Recipe, GemmCasts, has_definition, make_recipe
+from ..recipes import RECIPE_NAMES, Fp8Recipe, GemmCasts, has_definition, make_recipe
 from ..scaling import fake_quantize, quantize, quantize_per_group, unscale
 from .base import Fp8Backend, Op, TensorParallelShards, Verdict
+from .emulated_blocked import blocked_grouped_mm, blocked_linear
 
 __all__ = ["EmulatedBackend"]
 
@@ -199,11 +200,19 @@ class _EmulatedGroupedMM(torch.autograd.Function):
 class EmulatedBackend(Fp8Backend):
     name = "emulated"
     tensor_parallel_scales = True
+    recipes = RECIPE_NAMES
 
     def rank(self, device: DeviceProfile) -> int:
-        return 100
+        # Chosen automatically only on a CPU: on a GPU, FP8 layers the kernels cannot run stay
+        # in high precision rather than train silently (and slowly) in emulation.
+        return 100 if device.kind == "cpu" else 0
 
     def availability(self, device: DeviceProfile) -> Verdict:
+        if device.kind != "cpu":
+            return Verdict.yes(
+                f"pure PyTorch: runs on every device, but on a GPU ({device.arch}) only when requested "
+                f"by name (backend='emulated'), never in place of missing FP8 kernels"
+            )
         return Verdict.yes("pure PyTorch: runs on every device")
 
     def supports(self, op: Op, recipe: str, device: DeviceProfile, k: int | None = None, n: int | None = None) -> Verdict:
@@ -212,16 +221,22 @@ class EmulatedBackend(Fp8Backend):
     def recipe_for(self, recipe: str, device: DeviceProfile) -> Fp8Recipe:
         # Reproduce the numerics the device's preferred FP8 kernels would run: Primus-Turbo's on
         # MI300-class devices (where it defines the recipe), TorchAO's everywhere else.
-        definition = "primus_turbo" if device.mi300_class and has_definition(recipe, "primus_turbo") else "torchao"
+        # MX runs on Primus-Turbo only on gfx950.
+        primus = device.mi300_class and (recipe != "mxfp8" or device.arch == "gfx950")
+        definition = "primus_turbo" if primus and has_definition(recipe, "primus_turbo") else "torchao"
         return make_recipe(recipe, definition, device)
 
     def accepts(self, recipe: Fp8Recipe) -> Verdict:
         return Verdict.yes("the emulation reproduces every recipe definition")
 
     def linear(self, x, weight, bias, recipe, shards=None):
+        if recipe.block_scaled:  # block scales never span a TP shard: no amax reduction (TP is refused)
+            return blocked_linear(x, weight, bias, recipe)
         return _EmulatedLinear.apply(x, weight, bias, recipe, shards)
 
     def grouped_mm(self, A, B_t, offs, recipe):
+        if recipe.block_scaled:
+            return blocked_grouped_mm(A, B_t, offs, recipe)
         n = B_t.shape[2]
         out = _EmulatedGroupedMM.apply(_padded(A, (1,)), _padded(B_t, (1, 2)), offs, recipe)
         return out if out.shape[1] == n else out[:, :n]

@@ -1,5 +1,7 @@
 """TorchAO backend: ``torchao.float8``'s linear autograd function, and
-``_to_fp8_rowwise_then_scaled_grouped_mm`` for MoE grouped GEMMs.
+``_to_fp8_rowwise_then_scaled_grouped_mm`` for MoE grouped GEMMs; for ``mxfp8`` the MXFP8
+training GEMMs of ``torchao.prototype.moe_training`` (SM100; on a CPU, by name, TorchAO's own
+emulated MX mode), for ``blockwise`` ``torchao.prototype.blockwise_fp8_training`` (SM90).
 
 Everything TorchAO is imported lazily, and names that moved between TorchAO releases are looked
 up through the candidate lists below.
@@ -16,7 +18,7 @@ import torch
 
 from ..device import DeviceProfile
 from ..grouping import zero_trailing_rows
-from ..recipes import Fp8Recipe, make_recipe
+from ..recipes import RECIPE_NAMES, Fp8Recipe, make_recipe
 from .base import Fp8Backend, Op, Verdict
 
 __all__ = ["TorchAOBackend"]
@@ -27,6 +29,9 @@ _GROUPED_MM_NAMES = (
     ("torchao.prototype.moe_training.fp8_grouped_mm", "_to_fp8_rowwise_then_scaled_grouped_mm"),
 )
 _ALIGNMENT = 16  # FP8 tensor-core kernels need K, N (and grouped-GEMM group sizes) % 16 == 0
+# Block-scaled recipes: every dimension a block runs along must hold whole blocks (to_mx asserts
+# the last dim % 32; the blockwise quantizers and F.scaled_mm need multiples of 128).
+_BLOCK = {"mxfp8": 32, "blockwise": 128}
 
 
 def _first_attr(candidates: tuple[tuple[str, str], ...]):
@@ -71,8 +76,19 @@ def _without_onednn(fn, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _sm(device: DeviceProfile) -> int:
+    """NVIDIA compute capability as an int (90, 100, ...); 0 elsewhere."""
+    return int(device.arch[2:]) if device.kind == "cuda" and device.arch[2:].isdigit() else 0
+
+
+def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
+    """``t`` with zero rows appended up to a multiple of ``multiple`` (zeros change no block amax)."""
+    return torch.nn.functional.pad(t, (0, 0, 0, -t.shape[0] % multiple))
+
+
 class TorchAOBackend(Fp8Backend):
     name = "torchao"
+    recipes = RECIPE_NAMES
 
     @cached_property
     def _import_error(self) -> str | None:
@@ -109,6 +125,8 @@ class TorchAOBackend(Fp8Backend):
         return Verdict.yes(f"TorchAO FP8 kernels on {device.arch}")
 
     def supports(self, op: Op, recipe: str, device: DeviceProfile, k: int | None = None, n: int | None = None) -> Verdict:
+        if recipe in _BLOCK:
+            return self._supports_blocked(op, recipe, device, k, n)
         if op == "grouped_mm":
             if not device.fp8_hardware or device.kind == "cpu":
                 return Verdict.no(
@@ -126,11 +144,39 @@ class TorchAOBackend(Fp8Backend):
             return Verdict.no(f"TorchAO's FP8 GEMMs need K and N divisible by {_ALIGNMENT} ({', '.join(bad)})")
         return Verdict.yes()
 
+    def _supports_blocked(self, op: Op, recipe: str, device: DeviceProfile, k, n) -> Verdict:
+        sm = _sm(device)
+        if recipe == "mxfp8":
+            # MXFP8 GEMMs (cuBLAS / CUTLASS with E8M0 scales) exist only on SM100; upstream
+            # TorchTitan gates its MXFP8 converters the same way. On a CPU (never chosen
+            # automatically) TorchAO's KernelPreference.EMULATED runs its own MX numerics.
+            if sm < 100 and not (device.kind == "cpu" and op == "linear"):
+                return Verdict.no(
+                    f"TorchAO's MXFP8 kernels need NVIDIA SM100 (this is {device.arch})"
+                    + ("; its emulated MX grouped GEMM needs groups padded to 32 on the host" if device.kind == "cpu" else "")
+                )
+        elif op == "grouped_mm":
+            return Verdict.no(
+                "TorchAO 0.18's blockwise grouped GEMM runs real FP8 kernels only with the optional "
+                "DeepGEMM package and silently emulates otherwise; titan-primus does not route to it"
+            )
+        elif sm != 90:
+            return Verdict.no(
+                f"TorchAO's blockwise (1x128 / 128x128) GEMM runs on NVIDIA SM90 only (F.scaled_mm "
+                f"blockwise scaling; this is {device.arch})"
+            )
+        block = _BLOCK[recipe]
+        bad = [f"{name}={dim}" for name, dim in (("K", k), ("N", n)) if dim is not None and dim % block]
+        if bad:
+            return Verdict.no(f"TorchAO's {recipe} GEMMs need K and N divisible by {block} ({', '.join(bad)})")
+        return Verdict.yes()
+
     def recipe_for(self, recipe: str, device: DeviceProfile) -> Fp8Recipe:
         resolved = make_recipe(recipe, "torchao", device)
-        # Built (and TorchAO imported) at routing time, so compiled code only looks them up:
-        # TorchAO imported while dynamo traces fails inside its own class definitions.
-        self._configs(resolved)
+        if not resolved.block_scaled:
+            # Built (and TorchAO imported) at routing time, so compiled code only looks them up:
+            # TorchAO imported while dynamo traces fails inside its own class definitions.
+            self._configs(resolved)
         return resolved
 
     @cached_property
@@ -153,6 +199,9 @@ class TorchAOBackend(Fp8Backend):
         return Verdict.yes()
 
     def linear(self, x, weight, bias, recipe, shards=None):  # no TP scales: TP is refused
+        if recipe.block_scaled:
+            out = self._blocked_linear(x, weight, recipe)
+            return out if bias is None else out + bias.to(out.dtype)
         matmul, config, mm_config = self._configs(recipe)
 
         def run(x, weight):
@@ -164,11 +213,42 @@ class TorchAOBackend(Fp8Backend):
         out = _without_onednn(run, x, weight) if eager_cpu else run(x, weight)
         return out if bias is None else out + bias.to(out.dtype)
 
+    def _blocked_linear(self, x, weight, recipe):
+        # Both upstream functions also block along the token dimension (wgrad) and assert whole
+        # blocks there: pad the rows with zeros (no block amax changes) and drop them after.
+        rows, out_dtype = x.shape[0], x.dtype
+        # Both upstream functions take one dtype for x and weight: quantize both from the wider.
+        common = torch.promote_types(x.dtype, weight.dtype)
+        x, weight = _pad_rows(x, _BLOCK[recipe.name]).to(common), weight.to(common)
+        if recipe.name == "blockwise":
+            from torchao.prototype.blockwise_fp8_training.linear import fp8_blockwise_mm
+
+            return fp8_blockwise_mm.apply(x, weight, 128, out_dtype, False)[:rows]
+        from torchao.prototype.moe_training.mxfp8_linear import mx_mm
+        from torchao.prototype.mx_formats.config import (
+            MXFP8Dim0CastKernelChoice,
+            MXFP8Dim1CastKernelChoice,
+            ScaleCalculationMode,
+        )
+        from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+
+        if x.is_cuda:  # SM100 kernels, as _to_mxfp8_then_scaled_mm picks them
+            kernels = (KernelPreference.AUTO, MXFP8Dim0CastKernelChoice.TRITON, MXFP8Dim1CastKernelChoice.CUDA)
+        else:  # TorchAO's emulated MX: its to_mx casts, dequantize, high-precision mm
+            kernels = (KernelPreference.EMULATED, MXFP8Dim0CastKernelChoice.TORCH, MXFP8Dim1CastKernelChoice.TORCH)
+        e4m3 = torch.float8_e4m3fn
+        return mx_mm.apply(x, weight, e4m3, e4m3, e4m3, 32, *kernels, ScaleCalculationMode.RCEIL, False)[:rows].to(out_dtype)
+
     @cached_property
     def _grouped_mm_fn(self):
         return _first_attr(_GROUPED_MM_NAMES)
 
     def grouped_mm(self, A, B_t, offs, recipe):
+        if recipe.name == "mxfp8":  # SM100 only (supports); groups come padded to 32
+            from torchao.prototype.moe_training import _to_mxfp8_then_scaled_grouped_mm
+
+            out = _to_mxfp8_then_scaled_grouped_mm(zero_trailing_rows(A, offs), B_t, offs, out_dtype=torch.bfloat16)
+            return zero_trailing_rows(out, offs)
         # It takes float32 or bfloat16 operands only (asserted in fp8_grouped_mm.py); its output
         # is bfloat16 and its gradients bfloat16, cast to the operands' dtypes by autograd.
         A, B_t = (t.bfloat16() if t.dtype == torch.float16 else t for t in (A, B_t))

@@ -114,7 +114,7 @@ class Float8Converter(QuantizationConverter):
             decision = self.router.experts(fqn, experts.dim, experts.hidden_dim)
             if decision is None:
                 continue
-            alignment = group_alignment(decision.backend_name)
+            alignment = group_alignment(decision.backend_name, decision.recipe.name)
             if alignment:
                 swap_token_dispatcher(parent, alignment)  # ``parent`` is RoutedExperts.Config
             cls = fp8_experts_class(type(experts)._owner)

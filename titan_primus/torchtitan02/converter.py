@@ -98,7 +98,7 @@ class Float8Converter:
         if not decision:
             return
         check_parallelism(Fp8GroupedExperts.__name__, self.parallel_dims, decision, experts=True)
-        alignment = group_alignment(decision.backend_name)
+        alignment = group_alignment(decision.backend_name, decision.recipe.name)
         if alignment:
             # TorchTitan 0.2 pads token groups to one global multiple (its EP dispatch reads it too).
             set_token_group_alignment_size_m(alignment)

@@ -1,0 +1,141 @@
+"""The emulated backend's block-scaled GEMMs (recipes ``mxfp8`` and ``blockwise``).
+
+Each operand is cast in its recipe's blocks (:mod:`titan_primus.block_scaling`), the payload
+times its cell's scale_inv is multiplied in float32, as the block-scaled kernels multiply FP8
+partial products by both operands' scales in float32. Every GEMM re-quantizes from the
+high-precision tensors (both upstreams do so for these recipes).
+
+Grouped GEMMs multiply the dequantized operands in float32: with ``torch._grouped_mm`` in eager
+mode on a CPU, else (under ``torch.compile``, whose ``_grouped_mm`` takes only bfloat16, and on
+GPUs) as one masked GEMM per expert, a static loop that compiles fullgraph. 1x128-tile scales
+are not powers of two, so a bfloat16 product of dequantized values would not be exact.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..block_scaling import cells_of, dequantize, quantize_blocks
+from ..grouping import group_ids, zero_trailing_rows
+from ..recipes import Fp8Recipe, OperandCast
+
+__all__ = ["blocked_linear", "blocked_grouped_mm"]
+
+
+def _cast(t: torch.Tensor, cast: OperandCast, recipe: Fp8Recipe, segments: torch.Tensor | None = None) -> torch.Tensor:
+    """``t`` [rows, contracted] (or [E, rows, contracted], blocks per expert) as the GEMM sees it
+    after the cast, float32. ``segments``: group end offsets along the contracted dimension."""
+    if cast.fmt is None:
+        return t.to(torch.float32)
+    flat = t.reshape(-1, t.shape[-1])
+    if t.dim() == 3:  # per-expert blocks: pad each expert's rows to whole blocks
+        experts, rows, cols = t.shape
+        padded = -(-rows // cast.block[0]) * cast.block[0]
+        flat = torch.nn.functional.pad(t, (0, 0, 0, padded - rows)).reshape(-1, cols)
+    cells = cells_of(tuple(flat.shape), cast.block, t.device, segments)
+    data, scale_inv = quantize_blocks(flat, recipe.dtype(cast), recipe.block_scale, cells)
+    values = dequantize(data, scale_inv, cells)
+    if t.dim() == 3:
+        values = values.reshape(experts, padded, cols)[:, :rows]
+    return values
+
+
+def _no_autocast(t: torch.Tensor):
+    return torch.autocast(device_type=t.device.type, enabled=False)
+
+
+def _out_dtype(t: torch.Tensor) -> torch.dtype:
+    """The autocast dtype where autocast is on (what F.linear would return), else ``t``'s."""
+    device = t.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else t.dtype
+
+
+class _BlockedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, recipe: Fp8Recipe):
+        out_dtype = _out_dtype(x)
+        with _no_autocast(x):
+            ctx.save_for_backward(x, weight)
+            ctx.recipe, ctx.has_bias = recipe, bias is not None
+            c = recipe.output  # [M, K] @ [N, K]^T
+            out = _cast(x, c.a, recipe) @ _cast(weight, c.b, recipe).t()
+            if bias is not None:
+                out = out + bias.to(torch.float32)
+            return out.to(out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        recipe = ctx.recipe
+        grad_x = grad_w = grad_b = None
+        with _no_autocast(grad_out):
+            if ctx.needs_input_grad[0]:
+                c = recipe.grad_input  # [M, N] @ [K, N]^T: contract over N
+                grad_x = (_cast(grad_out, c.a, recipe) @ _cast(weight.t(), c.b, recipe).t()).to(x.dtype)
+            if ctx.needs_input_grad[1]:
+                c = recipe.grad_weight  # [N, M] @ [K, M]^T: contract over M
+                grad_w = (_cast(grad_out.t(), c.a, recipe) @ _cast(x.t(), c.b, recipe).t()).to(weight.dtype)
+            if ctx.has_bias and ctx.needs_input_grad[2]:
+                grad_b = grad_out.to(torch.float32).sum(0).to(grad_out.dtype)
+        return grad_x, grad_w, grad_b, None
+
+
+def _eager_cpu(t: torch.Tensor) -> bool:
+    # torch._grouped_mm multiplies float32 on a CPU in eager mode (not under compile, not on GPUs).
+    return t.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def _per_expert(a: torch.Tensor, b: torch.Tensor, ids: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Row r of the result is a[r] @ b[ids[r]].T: a [R, C], b [E, N, C]; rows of no expert are 0."""
+    if _eager_cpu(a):
+        return zero_trailing_rows(torch._grouped_mm(a, b.transpose(-2, -1), offs=offs), offs)
+    out = a.new_zeros(a.shape[0], b.shape[1])
+    for e in range(b.shape[0]):
+        out = torch.where((ids == e).unsqueeze(1), a @ b[e].t(), out)
+    return out
+
+
+def _per_group_outer(g: torch.Tensor, a: torch.Tensor, ids: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """[E, N, K]: entry e is g[:, rows of e] @ a[:, rows of e].T, for g [N, R] and a [K, R]."""
+    if _eager_cpu(g):
+        return torch._grouped_mm(g, a.t(), offs=offs)
+    zero = torch.zeros((), device=g.device)
+    return torch.stack([torch.where(ids == e, g, zero) @ a.t() for e in range(len(offs))])
+
+
+class _BlockedGroupedMM(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, A, B_t, offs, recipe: Fp8Recipe):
+        with _no_autocast(A):
+            A = zero_trailing_rows(A, offs)
+            ids = group_ids(offs, A.shape[0])
+            c = recipe.output  # per expert: [rows, K] @ [N, K]^T
+            out = _per_expert(_cast(A, c.a, recipe), _cast(B_t.transpose(-2, -1), c.b, recipe), ids, offs)
+            ctx.save_for_backward(A, B_t, offs, ids)
+            ctx.recipe = recipe
+            return out.to(torch.bfloat16)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        A, B_t, offs, ids = ctx.saved_tensors
+        recipe = ctx.recipe
+        grad_A = grad_B = None
+        with _no_autocast(grad_out):
+            grad_out = zero_trailing_rows(grad_out, offs)
+            if ctx.needs_input_grad[0]:
+                c = recipe.grad_input  # per expert: [rows, N] @ [K, N]^T
+                grad_A = _per_expert(_cast(grad_out, c.a, recipe), _cast(B_t, c.b, recipe), ids, offs).to(A.dtype)
+            if ctx.needs_input_grad[1]:
+                c = recipe.grad_weight  # per expert: [N, rows] @ [K, rows]^T, token blocks per group
+                g = _cast(grad_out.t(), c.a, recipe, segments=offs)
+                a = _cast(A.t(), c.b, recipe, segments=offs)
+                grad_B = _per_group_outer(g, a, ids, offs).transpose(-2, -1).to(B_t.dtype)
+        return grad_A, grad_B, None, None
+
+
+def blocked_linear(x, weight, bias, recipe: Fp8Recipe) -> torch.Tensor:
+    return _BlockedLinear.apply(x, weight, bias, recipe)
+
+
+def blocked_grouped_mm(A, B_t, offs, recipe: Fp8Recipe) -> torch.Tensor:
+    return _BlockedGroupedMM.apply(A, B_t, offs, recipe)
