@@ -35,6 +35,9 @@ missing = Missing()
 sys.meta_path.insert(0, missing)
 messages = []
 for module, missing.name in json.loads(sys.argv[1]):
+    # An earlier case may have imported the module now made missing (torch imports triton when
+    # it can): hide it for this case, as a fresh interpreter would not have it, then put it back.
+    hidden = {n: sys.modules.pop(n) for n in [n for n in sys.modules if n.split(".")[0] == missing.name]}
     try:
         __import__(module)
         messages.append(None)
@@ -42,6 +45,7 @@ for module, missing.name in json.loads(sys.argv[1]):
         messages.append(str(e))
     for name in [n for n in sys.modules if n.startswith(("torchtitan", "titan_primus.torchtitan"))]:
         del sys.modules[name]
+    sys.modules.update(hidden)
 print(json.dumps(messages))
 """
 CASES = [(THIS, "torchtitan"), (THIS, "triton"), (OTHER, None)]
