@@ -1,7 +1,7 @@
 """The TorchTitan 0.3 adapter. With titan_primus.torchtitan02 (the 0.2.x one), the only part of
 titan-primus that imports TorchTitan."""
 
-from ..doctor import installed_version
+from ..cli.doctor import installed_version
 
 try:
     # 0.3's config-tree converter protocol; TorchTitan 0.2.x has a module-swap registry instead.

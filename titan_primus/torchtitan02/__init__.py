@@ -16,7 +16,7 @@ job's TOML::
 On TorchTitan 0.3 use ``titan_primus.torchtitan`` (``--module titan_primus --config ...``).
 """
 
-from ..doctor import installed_version
+from ..cli.doctor import installed_version
 
 try:
     # 0.2.x's converter registry; TorchTitan 0.3 replaced it with config-tree converters.
