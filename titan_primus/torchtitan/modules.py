@@ -20,6 +20,7 @@ from torchtitan.distributed.parallel_dims import MeshAxisName
 
 from ..backends.base import TensorParallelShards
 from ..conversion import check_parallelism
+from ..fsdp_fp8 import enable_fp8_all_gather, fp8_all_gather_plan
 from ..recipes import Fp8Recipe
 from ..registry import get_backend
 
@@ -73,14 +74,27 @@ class Fp8Linear(_Fp8Module, Linear):
         """Registered backend name, chosen by the converter."""
         fp8_recipe: Fp8Recipe
         """The exact numerics (recipe, definition, FP8 formats) the backend runs."""
+        fp8_all_gather: bool = False
+        """FSDP2 all-gathers the weight as FP8 (the converter found it exact here)."""
 
     def __init__(self, config: Config):
         super().__init__(config)
         self.bind_fp8(config)
+        self.fp8_all_gather = config.fp8_all_gather
 
     def parallelize(self, parallel_dims) -> None:
         super().parallelize(parallel_dims)
         self.fp8_shards = tensor_parallel_shards(self._sharding_config, parallel_dims)
+        # Wrapped before fully_shard (which follows parallelize), only where FSDP2 shards it.
+        if self.fp8_all_gather and parallel_dims.fsdp_enabled and self.fp8_shards is None:
+            self.use_fp8_all_gather()
+
+    def use_fp8_all_gather(self) -> None:
+        """Make FSDP2 all-gather this layer's weight as FP8 (call before fully_shard)."""
+        plan, verdict = fp8_all_gather_plan(self.fp8_backend, self.fp8_recipe)
+        if plan is None:
+            raise ValueError(f"titan-primus: no FP8 all-gather for {self.extra_repr()}: {verdict.reason}")
+        enable_fp8_all_gather(self, "weight", plan)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Local shapes: under tensor parallelism x and the weight are this rank's shards, and
