@@ -23,6 +23,7 @@ TorchTitan adapters wrap weights and hook the per-step amax precompute.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Literal
 
@@ -35,6 +36,8 @@ from torch.utils._pytree import tree_map_only
 from .backends.base import Verdict
 from .recipes import Fp8Recipe, GemmCasts
 from .scaling import amax_to_scale, quantize, scaled_cast
+
+logger = logging.getLogger("titan_primus")
 
 __all__ = [
     "Fp8AllGatherPlan",
@@ -347,3 +350,4 @@ def register_amax_precompute_after_optimizer_steps() -> None:
     hold no such weight cost a scan of their parameter list."""
     if not _HOOK:
         _HOOK.append(register_optimizer_step_post_hook(_after_optimizer_step))
+        logger.info("titan-primus: FSDP2 all-gathers FP8 weights as FP8; their amaxes are refreshed after each optimizer step")

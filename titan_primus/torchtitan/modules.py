@@ -83,11 +83,12 @@ class Fp8Linear(_Fp8Module, Linear):
         self.fp8_all_gather = config.fp8_all_gather
 
     def parallelize(self, parallel_dims) -> None:
-        super().parallelize(parallel_dims)
         self.fp8_shards = tensor_parallel_shards(self._sharding_config, parallel_dims)
-        # Wrapped before fully_shard (which follows parallelize), only where FSDP2 shards it.
+        # Wrapped only where FSDP2 shards the weight, before fully_shard (which follows
+        # parallelize) and before TorchTitan distributes and annotates it (spmd_types).
         if self.fp8_all_gather and parallel_dims.fsdp_enabled and self.fp8_shards is None:
             self.use_fp8_all_gather()
+        super().parallelize(parallel_dims)
 
     def use_fp8_all_gather(self) -> None:
         """Make FSDP2 all-gather this layer's weight as FP8 (call before fully_shard)."""
