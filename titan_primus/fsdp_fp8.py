@@ -23,6 +23,7 @@ TorchTitan adapters wrap weights and hook the per-step amax precompute.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Literal
@@ -322,7 +323,10 @@ def _plain_state_dict(module, state_dict, prefix, local_metadata) -> None:
 
 def enable_fp8_all_gather(module: torch.nn.Module, name: str, plan: Fp8AllGatherPlan) -> None:
     """Make FSDP2 all-gather ``module``'s parameter ``name`` as FP8 per ``plan``. Call before
-    ``fully_shard``; the parameter may be on the meta device."""
+    ``fully_shard``; the parameter may be on the meta device. Tensorwise plans need
+    :func:`precompute_fp8_weight_amaxes` after each optimizer step (or
+    :func:`register_amax_precompute_after_optimizer_steps`); without it each all-gather after
+    a step all-reduces its own weight's amax (correct, one collective per weight)."""
     param = getattr(module, name)
     if isinstance(_local(param), Fp8AllGatherWeight):
         return
@@ -333,7 +337,12 @@ def enable_fp8_all_gather(module: torch.nn.Module, name: str, plan: Fp8AllGather
         )
     setattr(module, name, torch.nn.Parameter(Fp8AllGatherWeight(param.data, plan), requires_grad=param.requires_grad))
     module.register_state_dict_post_hook(_plain_state_dict)
-    register_amax_precompute_after_optimizer_steps()
+    _announce()
+
+
+@functools.cache
+def _announce() -> None:
+    logger.info("titan-primus: FSDP2 all-gathers FP8 weights as FP8 payload + scales")
 
 
 _HOOK = []
@@ -350,4 +359,3 @@ def register_amax_precompute_after_optimizer_steps() -> None:
     hold no such weight cost a scan of their parameter list."""
     if not _HOOK:
         _HOOK.append(register_optimizer_step_post_hook(_after_optimizer_step))
-        logger.info("titan-primus: FSDP2 all-gathers FP8 weights as FP8; their amaxes are refreshed after each optimizer step")

@@ -20,7 +20,7 @@ from torchtitan.distributed.parallel_dims import MeshAxisName
 
 from ..backends.base import TensorParallelShards
 from ..conversion import check_parallelism
-from ..fsdp_fp8 import enable_fp8_all_gather, fp8_all_gather_plan
+from ..fsdp_fp8 import enable_fp8_all_gather, fp8_all_gather_plan, register_amax_precompute_after_optimizer_steps
 from ..recipes import Fp8Recipe
 from ..registry import get_backend
 
@@ -96,6 +96,8 @@ class Fp8Linear(_Fp8Module, Linear):
         if plan is None:
             raise ValueError(f"titan-primus: no FP8 all-gather for {self.extra_repr()}: {verdict.reason}")
         enable_fp8_all_gather(self, "weight", plan)
+        # TorchTitan 0.3's converters have no post-optimizer seam (0.2.x's had one).
+        register_amax_precompute_after_optimizer_steps()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Local shapes: under tensor parallelism x and the weight are this rank's shards, and
