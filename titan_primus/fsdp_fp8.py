@@ -192,8 +192,9 @@ class Fp8AllGatherWeight(torch.Tensor):
     Wraps the plain high-precision tensor ``_tensor``; every op runs on that tensor (results are
     plain tensors except the views and copies FSDP2 makes of the parameter), so optimizers,
     initialisation and checkpoint loading see an ordinary tensor. ``_amax`` is the whole
-    weight's amax (tensorwise plans), valid while ``_tensor``'s version counter equals
-    ``_amax_version``: any in-place change (optimizer step, checkpoint load, init) makes it stale.
+    weight's amax (tensorwise plans). Any in-place change (optimizer step, checkpoint load,
+    init) makes it stale: one made through this tensor clears it, one made directly to
+    ``_tensor`` moves its version counter away from ``_amax_version``.
     """
 
     @staticmethod
@@ -278,7 +279,11 @@ class Fp8AllGatherWeight(torch.Tensor):
 
 def _all_reduce_amaxes(weights: list[Fp8AllGatherWeight], group) -> None:
     """Whole-weight amaxes of ``weights`` (shards across ``group``): one all-reduce for all."""
-    local = torch.stack([w._tensor.detach().abs().amax().to(torch.float32) for w in weights])
+    # A rank's shard can be empty (more ranks than rows); 0 is neutral for the max.
+    local = torch.stack([
+        w._tensor.detach().abs().amax().to(torch.float32) if w._tensor.numel() else w._tensor.new_zeros((), dtype=torch.float32)
+        for w in weights
+    ])
     dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
     for weight, amax in zip(weights, local.unbind()):
         weight._set_amax(amax)

@@ -8,6 +8,8 @@ unchanged and TorchTitan's name-keyed sharding applies as before.
 
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +27,8 @@ from ..recipes import Fp8Recipe
 from ..registry import get_backend
 
 __all__ = ["Fp8Linear", "fp8_experts_class"]
+
+logger = logging.getLogger("titan_primus")
 
 
 class _Fp8Module:
@@ -62,6 +66,14 @@ def tensor_parallel_shards(sharding_config, parallel_dims) -> TensorParallelShar
     return TensorParallelShards(group, input_dim=1, weight_dim=1, grad_output_dim=None)
 
 
+@functools.cache
+def _warn_no_fp8_all_gather(spmd_backend: str) -> None:
+    logger.warning(
+        "titan-primus: enable_fsdp_float8_all_gather needs parallelism.spmd_backend 'spmd_types' "
+        "(TorchTitan's default); with %r FSDP2 gathers the FP8 linears' weights in bf16", spmd_backend,
+    )
+
+
 class Fp8Linear(_Fp8Module, Linear):
     """``Linear`` whose GEMMs run in FP8 on a titan-primus backend."""
 
@@ -85,9 +97,13 @@ class Fp8Linear(_Fp8Module, Linear):
     def parallelize(self, parallel_dims) -> None:
         self.fp8_shards = tensor_parallel_shards(self._sharding_config, parallel_dims)
         # Wrapped only where FSDP2 shards the weight, before fully_shard (which follows
-        # parallelize) and before TorchTitan distributes and annotates it (spmd_types).
+        # parallelize) and before TorchTitan annotates it (spmd_types; the DTensor backends,
+        # which distribute the weight first, are not supported: it is gathered in bf16 there).
         if self.fp8_all_gather and parallel_dims.fsdp_enabled and self.fp8_shards is None:
-            self.use_fp8_all_gather()
+            if parallel_dims.spmd_backend == "spmd_types":
+                self.use_fp8_all_gather()
+            else:
+                _warn_no_fp8_all_gather(parallel_dims.spmd_backend)
         super().parallelize(parallel_dims)
 
     def use_fp8_all_gather(self) -> None:
