@@ -7,7 +7,19 @@ STAMP  := $(VENV)/.installed
 # One thread per process: on 2-core machines 2 threads made training steps 3-15x slower.
 RUN    := OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TORCHINDUCTOR_CACHE_DIR=$(CURDIR)/.venv/inductor-cache
 
-.PHONY: setup test test-tt02 demo clean
+# The oldest stack the project supports, the one AMD's rocm/primus images run: pyproject.toml's
+# lower bounds (tests/test_install.py checks they agree). torch's registry wheel is a CUDA build
+# that runs on a CPU.
+OLDEST_TORCH      := 2.12.0
+OLDEST_TORCHAO    := 0.15.0
+OLDEST_TORCHTITAN := 0.2.2
+
+# TorchTitan imports triton. CUDA and ROCm builds of torch bring their own (ROCm's under the
+# distribution name pytorch-triton-rocm); CPU-only torch wheels bring none. Installed only when
+# the module is missing, so a ROCm Triton is never replaced.
+ensure_triton = $(1) -c "import triton" 2>/dev/null || $(1) -m pip install -q triton
+
+.PHONY: setup test test-tt02 test-oldest demo clean
 
 setup: $(STAMP)
 
@@ -16,7 +28,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# torch is pinned here so pip takes the local 2.14.1 wheel instead of resolving a newer one.
 	$(PY) -m pip install -q "torch==2.14.1"
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[test,torchtitan]"
+	$(call ensure_triton,$(PY))
 	touch $@
 
 test: $(STAMP)
@@ -33,14 +46,30 @@ STAMP_TT02 := $(VENV_TT02)/.installed
 $(STAMP_TT02): pyproject.toml
 	test -x $(PY_TT02) || $(PYTHON) -m venv $(VENV_TT02)
 	$(PY_TT02) -m pip install -q --upgrade pip
-	# The main venv's torch (the local 2.14.1 wheel): torchtitan 0.2.2 declares no torch
-	# requirement, and runs on 2.13 and 2.14 alike; the core needs >= 2.14.
+	# The main venv's torch (the local 2.14.1 wheel); test-oldest covers the oldest stack.
 	$(PY_TT02) -m pip install -q "torch==2.14.1"
-	$(PY_TT02) -m pip install -q -e ".[test]" "torchtitan==0.2.2"
+	$(PY_TT02) -m pip install -q -e ".[test,torchtitan02]" "torchtitan==$(OLDEST_TORCHTITAN)"
+	$(call ensure_triton,$(PY_TT02))
 	touch $@
 
 test-tt02: $(STAMP_TT02)
 	$(RUN) $(PY_TT02) -m pytest -q tests_tt02
 
+# The TorchTitan 0.2.x suite again, on the oldest supported torch and torchao.
+VENV_OLDEST  := .venv-oldest
+PY_OLDEST    := $(VENV_OLDEST)/bin/python
+STAMP_OLDEST := $(VENV_OLDEST)/.installed
+
+$(STAMP_OLDEST): pyproject.toml Makefile
+	test -x $(PY_OLDEST) || $(PYTHON) -m venv $(VENV_OLDEST)
+	$(PY_OLDEST) -m pip install -q --upgrade pip
+	$(PY_OLDEST) -m pip install -q "torch==$(OLDEST_TORCH)" "torchao==$(OLDEST_TORCHAO)"
+	$(PY_OLDEST) -m pip install -q -e ".[test,torchtitan02]" "torchtitan==$(OLDEST_TORCHTITAN)"
+	$(call ensure_triton,$(PY_OLDEST))
+	touch $@
+
+test-oldest: $(STAMP_OLDEST)
+	$(RUN) $(PY_OLDEST) -m pytest -q tests_tt02
+
 clean:
-	rm -rf $(VENV) $(VENV_TT02) outputs .pytest_cache
+	rm -rf $(VENV) $(VENV_TT02) $(VENV_OLDEST) outputs .pytest_cache

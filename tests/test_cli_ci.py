@@ -1,6 +1,9 @@
-"""Lint of the CI workflows in ci/: valid YAML, and every titan-primus subcommand and flag, make
-target and pytest marker they call exists."""
+"""Lint of the CI workflows in ci/: valid YAML; every titan-primus subcommand and flag, make
+target and pytest marker they call exists; and they are hardened: actions pinned to commits, read
+permission only, no persisted credentials, container images pinned by digest."""
 
+import fnmatch
+import re
 import shlex
 import tomllib
 from pathlib import Path
@@ -99,3 +102,64 @@ def test_gpu_workflows_require_their_backend_and_keep_the_json(name, required, m
 def test_cpu_workflow_runs_the_readme_test_command():
     workflow = yaml.safe_load((ROOT / "ci" / "cpu.yml").read_text())
     assert ["make", "test"] in [argv for script in run_scripts(workflow) for argv in commands(script)]
+
+
+def steps(workflow: dict) -> list[dict]:
+    return [step for job in workflow["jobs"].values() for step in job["steps"]]
+
+
+@pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.name)
+def test_actions_are_pinned_to_commits(path):
+    """A tag can be moved to other code; a commit cannot."""
+    for step in steps(yaml.safe_load(path.read_text())):
+        if "uses" in step:
+            assert re.fullmatch(r"[\w.-]+/[\w./-]+@[0-9a-f]{40}", step["uses"]), f"{path.name}: {step['uses']} is not pinned to a commit"
+
+
+@pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.name)
+def test_workflows_hold_least_permissions_and_no_credentials(path):
+    workflow = yaml.safe_load(path.read_text())
+    assert workflow.get("permissions") == {"contents": "read"}, f"{path.name}: the workflow must grant contents: read only"
+    for name, job in workflow["jobs"].items():
+        assert "permissions" not in job, f"{path.name}: job {name} widens the workflow's permissions"
+    checkouts = [step for step in steps(workflow) if step.get("uses", "").startswith("actions/checkout@")]
+    for step in checkouts:
+        assert step.get("with", {}).get("persist-credentials") is False, f"{path.name}: checkout leaves the token in .git/config"
+
+
+@pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.name)
+def test_container_images_are_pinned_by_digest_through_a_variable(path):
+    """A container job's image is a repository variable only (no tag as fallback), and a job it
+    needs refuses the variable unless it names the image by digest."""
+    jobs = yaml.safe_load(path.read_text())["jobs"]
+    for name, job in jobs.items():
+        if "container" not in job:
+            continue
+        image = job["container"]["image"] if isinstance(job["container"], dict) else job["container"]
+        variable = re.fullmatch(r"\$\{\{\s*vars\.(\w+)\s*\}\}", image)
+        assert variable, f"{path.name}: job {name} takes its image from {image!r}, not from a variable alone"
+        needs = job.get("needs", [])
+        checks = [step for needed in ([needs] if isinstance(needs, str) else needs) for step in jobs[needed]["steps"]
+                  if f"vars.{variable[1]}" in str(step.get("env", {})) and "@sha256:" in step.get("run", "")]
+        assert checks, f"{path.name}: no job that {name} needs checks that {variable[1]} is pinned by digest"
+
+
+def test_every_mi300_test_runs_in_the_mi300x_workflow():
+    """mi300x.yml names the files it collects (the image has TorchTitan 0.2.2, which the 0.3
+    modules cannot be collected beside): every file with mi300 tests must be among them."""
+    workflow = yaml.safe_load((ROOT / "ci" / "mi300x.yml").read_text())
+    runs = [argv for script in run_scripts(workflow) for argv in commands(script) if pytest_marker_expression(argv) == "mi300"]
+    patterns = [arg for argv in runs for arg in argv if arg.startswith("tests/")]
+    marker = re.compile(r"^\s*@pytest\.mark\.mi300\b|(pytestmark\s*=|marks=).*\bpytest\.mark\.mi300\b", re.M)
+    marked = [p for p in sorted((ROOT / "tests").glob("test_*.py")) if marker.search(p.read_text())]
+    assert marked
+    for path in marked:
+        assert any(fnmatch.fnmatch(str(path.relative_to(ROOT)), pattern) for pattern in patterns), f"{path.name} is not collected by mi300x.yml"
+
+
+def test_ci_run_runs_what_the_cpu_workflow_runs():
+    """.ci/run (CI on a fresh clone) and ci/cpu.yml run the same make targets, `make test` first."""
+    workflow = yaml.safe_load((ROOT / "ci" / "cpu.yml").read_text())
+    in_workflow = [argv for script in run_scripts(workflow) for argv in commands(script) if argv[0] == "make"]
+    in_ci_run = [argv for argv in commands((ROOT / ".ci" / "run").read_text()) if argv[0] == "make"]
+    assert in_ci_run == in_workflow and in_ci_run[0] == ["make", "test"]

@@ -196,3 +196,21 @@ def test_dcp_checkpoint_round_trips_between_bf16_and_fp8(model, tmp_path):
     dcp.load(state, checkpoint_id=str(tmp_path / "fp8"))
     fresh.load_state_dict(state, strict=True)
     assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), fresh.state_dict().values()))
+
+
+@pytest.mark.parametrize("model, options", [("llama3", {}), ("deepseek_v3", {"linears": False}),
+                                            ("deepseek_v3", {"recipe": "tensorwise"})])
+def test_torchtitan_has_quantization_recognises_converted_configs(model, options):
+    """The trainer asks TorchTitan's has_quantization (and then logs no bf16-peak MFU); it must
+    say True for a converted model, as for TorchTitan's own float8 converters, also through the
+    name torchtitan.trainer imported before any converter existed."""
+    import torchtitan.trainer
+    from torchtitan.components.quantization import utils
+
+    stock = model_config(model)
+    assert not utils.has_quantization(stock)
+    converted, report = convert(config=model_config(model), device="cpu", **options)
+    assert report.converted()
+    for has_quantization in (utils.has_quantization, torchtitan.trainer.has_quantization):
+        assert has_quantization(converted)
+        assert not has_quantization(stock)

@@ -1,9 +1,13 @@
 """TorchTitan's real trainer (torchrun, CPU launcher) with ``--module titan_primus``."""
 
+import re
+
 import pytest
 from titan_helpers import run_trainer
 
 pytestmark = pytest.mark.trainer
+
+MFU = re.compile(r"mfu: (N/A|[0-9.]+%)")
 
 
 def test_fp8_training_tracks_bf16_and_learns(tmp_path):
@@ -12,13 +16,16 @@ def test_fp8_training_tracks_bf16_and_learns(tmp_path):
     0.6% (deepseek_v3 MoE); rowwise FP8 is ~28 dB per GEMM (~4% elementwise noise), which
     averages out in the loss and grows slowly with steps. 2% leaves margin for other seeds."""
     fp8, log = run_trainer("titan_primus", "llama3_debugmodel_fp8", tmp_path / "fp8", 6)
-    ref, _ = run_trainer("llama3", "llama3_debugmodel", tmp_path / "ref", 6)
+    ref, ref_log = run_trainer("llama3", "llama3_debugmodel", tmp_path / "ref", 6)
     assert sorted(fp8) == sorted(ref) == list(range(1, 7))
     for step in ref:
         assert abs(fp8[step] - ref[step]) <= 0.02 * ref[step], (step, fp8[step], ref[step])
     assert fp8[6] < fp8[1] - 0.5
     assert "titan-primus FP8 routing on CPU" in log
     assert "linears: 31 -> emulated (rowwise (torchao definition, e4m3fn)" in log
+    # TorchTitan knows the run is quantized: no MFU against the bf16 peak, as for its own FP8 runs.
+    assert len(MFU.findall(log)) == 6 and set(MFU.findall(log)) == {"N/A"}
+    assert len(MFU.findall(ref_log)) == 6 and "N/A" not in MFU.findall(ref_log)
 
 
 @pytest.mark.parametrize(

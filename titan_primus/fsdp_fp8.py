@@ -36,7 +36,7 @@ from torch.utils._pytree import tree_map_only
 
 from .backends.base import Verdict
 from .recipes import Fp8Recipe, GemmCasts
-from .scaling import amax_to_scale, quantize, scaled_cast
+from .scaling import amax_to_scale, dequantize, quantize, scaled_cast
 
 logger = logging.getLogger("titan_primus")
 
@@ -123,28 +123,27 @@ class Fp8GatheredWeight(torch.Tensor):
     Autograd treats it as the unsharded parameter; its gradient is a plain tensor."""
 
     @staticmethod
-    def __new__(cls, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, requires_grad: bool = False):
-        return torch.Tensor._make_wrapper_subclass(
-            cls, data.shape, strides=data.stride(), dtype=dtype, device=data.device, requires_grad=requires_grad,
-        )
+    def __new__(cls, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, reciprocal: bool):
+        return torch.Tensor._make_wrapper_subclass(cls, data.shape, strides=data.stride(), dtype=dtype, device=data.device)
 
-    def __init__(self, data, scale, dtype, requires_grad=False):
-        self._data, self._scale = data, scale
+    def __init__(self, data, scale, dtype, reciprocal):
+        self._data, self._scale, self._reciprocal = data, scale, reciprocal
 
     def dequantize(self) -> torch.Tensor:
         """The weight as the FP8 GEMM sees it, in float32 (exactly what the emulation's own
-        cast of the high-precision weight gives)."""
-        return self._data.to(torch.float32) / self._scale
+        cast of the high-precision weight gives; ``reciprocal``: the recipe unscales by
+        multiplying with the scale's reciprocal, as Primus-Turbo's kernels do)."""
+        return dequantize(self._data, self._scale, self._reciprocal)
 
     def __repr__(self):
         return f"Fp8GatheredWeight(shape={tuple(self.shape)}, dtype={self.dtype}, fp8={self._data.dtype})"
 
     def __tensor_flatten__(self):
-        return ["_data", "_scale"], self.dtype
+        return ["_data", "_scale"], (self.dtype, self._reciprocal)
 
     @staticmethod
-    def __tensor_unflatten__(inner, dtype, outer_size, outer_stride):
-        return Fp8GatheredWeight(inner["_data"], inner["_scale"], dtype)
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        return Fp8GatheredWeight(inner["_data"], inner["_scale"], *meta)
 
     _VIEWS = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
 
@@ -159,7 +158,7 @@ class Fp8GatheredWeight(torch.Tensor):
             and tuple(args[1]) == tuple(weight.shape) and tuple(args[2]) == weight.stride()
             and (args[3] if len(args) > 3 else kwargs.get("storage_offset", 0)) in (0, None)
         ):
-            return Fp8GatheredWeight(weight._data, weight._scale, weight.dtype)
+            return Fp8GatheredWeight(weight._data, weight._scale, weight.dtype, weight._reciprocal)
         # Anything else (a norm for logging, a print) sees the dequantized weight.
         args, kwargs = tree_map_only(
             Fp8GatheredWeight, lambda t: t.dequantize().to(t.dtype), (args, kwargs)

@@ -1,14 +1,35 @@
-"""The two public FP8 ops, with argument checks that turn bad input into one clear error."""
+"""The two public FP8 ops, with argument checks that turn bad input into one clear error, and
+the dtype contract every backend and both TorchTitan adapters share.
+
+The dtype contract (stated for users in README, "The dtype contract"):
+
+- A linear computes in, and returns, :func:`linear_compute_dtype` of its input: the autocast
+  dtype when autocast is enabled for the input's device type, else the input's dtype, as
+  ``nn.Linear`` and TorchAO's ``Float8Linear`` do. :func:`run_linear` is the one place this is
+  applied: a backend's ``linear`` receives ``x`` already in that dtype and returns exactly
+  ``x.dtype`` (bias added in it); grad_input comes back in x's dtype, grad_weight in the weight's.
+- A grouped GEMM always returns bfloat16, whatever its inputs (TorchAO's FP8 grouped GEMM and
+  ``torch._grouped_mm`` on TorchTitan's bf16 operands do); its gradients come back in the
+  inputs' dtypes.
+
+Routing: eager calls route through :func:`titan_primus.select_backend` (cached). Under
+``torch.compile`` the route is looked up outside the traced code (``_route_when_compiling``), so
+the public ops compile with ``fullgraph=True`` and leave no routing work in the graph.
+"""
 
 from __future__ import annotations
+
+import dataclasses
+import types
 
 import torch
 
 from .device import DeviceProfile
 from .recipes import Fp8Recipe
+from .registry import generation
 from .routing import BackendUnavailableError, RoutingDecision, select_backend
 
-__all__ = ["Fp8InputError", "fp8_linear", "fp8_grouped_mm", "resolve_op"]
+__all__ = ["Fp8InputError", "fp8_linear", "fp8_grouped_mm", "linear_compute_dtype", "resolve_op", "run_linear"]
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -41,6 +62,77 @@ def resolve_op(op, recipe, device, backend, k: int, n: int):
     return decision.backend, decision.recipe, decision
 
 
+def _resolve(op, recipe, device, backend, k: int, n: int):
+    """(backend, recipe object) for a call of an op."""
+    if torch.compiler.is_compiling():
+        return _route_when_compiling(op, _as_constant(recipe), _as_constant(device), backend, k, n, generation())
+    impl, resolved, _ = resolve_op(op, recipe, device, backend, k, n)
+    return impl, resolved
+
+
+# Under torch.compile, routing runs as plain Python while dynamo traces, never inside the traced
+# code: dynamo would follow it into pluggy and the registry caches and stop. The arguments
+# become constants (dataclass values, a DeviceProfile or Fp8Recipe, are unpacked to tuples),
+# ``_route_name`` resolves them once (a function dynamo calls instead of tracing, its result
+# stored as a constant), and the traced code reads the resolved (backend, recipe) by attribute,
+# which dynamo guards like any global. The registry generation is part of the key, so a
+# refreshed registry makes dynamo route (and compile) anew.
+_COMPILED_ROUTES = types.SimpleNamespace()
+_COMPILED_ROUTE_NAMES: dict[tuple, str] = {}
+
+
+def _as_constant(value):
+    """A dataclass instance as (class, ((field, value), ...)), recursively; anything else as is."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return type(value), tuple((f.name, _as_constant(getattr(value, f.name))) for f in dataclasses.fields(value) if f.init)
+    return value
+
+
+def _from_constant(value):
+    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], type) and dataclasses.is_dataclass(value[0]):
+        cls, items = value
+        return cls(**{name: _from_constant(v) for name, v in items})
+    return value
+
+
+@torch.compiler.assume_constant_result
+def _route_name(key: tuple) -> str:
+    if key not in _COMPILED_ROUTE_NAMES:
+        op, recipe, device, backend, k, n, _ = key
+        impl, resolved, _ = resolve_op(op, _from_constant(recipe), _from_constant(device), backend, k, n)
+        name = f"route_{len(_COMPILED_ROUTE_NAMES)}"
+        setattr(_COMPILED_ROUTES, name, (impl, resolved))
+        _COMPILED_ROUTE_NAMES[key] = name
+    return _COMPILED_ROUTE_NAMES[key]
+
+
+def _route_when_compiling(*key):
+    return getattr(_COMPILED_ROUTES, _route_name(key))
+
+
+def linear_compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a linear on ``x`` computes in and returns: the autocast dtype when autocast is
+    enabled for ``x``'s device type (as ``nn.Linear`` and TorchAO's ``Float8Linear``), else
+    ``x``'s dtype."""
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return x.dtype
+
+
+def run_linear(backend, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Fp8Recipe,
+               shards=None) -> torch.Tensor:
+    """``x [..., K] @ weight.T + bias`` on ``backend`` under the dtype contract: the one function
+    the public op and both TorchTitan adapters' linears call. ``x`` is cast to
+    :func:`linear_compute_dtype`; the backend runs with autocast off, so it sees exactly the
+    dtypes it is given. ``shards`` goes to backends that take tensor-parallel shards."""
+    dtype = linear_compute_dtype(x)
+    with torch.autocast(x.device.type, enabled=False):
+        extra = {} if shards is None else {"shards": shards}
+        out = backend.linear(x.reshape(-1, x.shape[-1]).to(dtype), weight, bias, recipe, **extra)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
 def fp8_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -55,6 +147,7 @@ def fp8_linear(
     x: [..., K]; weight: [N, K]; bias: [N] or None. ``recipe`` is "tensorwise", "rowwise" or
     "rowwise_with_gw_hp" (or an :class:`Fp8Recipe`); ``backend`` is "auto" or a backend name;
     ``device`` is a :class:`DeviceProfile` or profile name (default: the detected device).
+    Returns the autocast dtype under autocast, else x's dtype (:func:`linear_compute_dtype`).
     """
     _check_float("x", x)
     _check_float("weight", weight)
@@ -68,9 +161,8 @@ def fp8_linear(
     if bias is not None:
         _check_float("bias", bias)
         _require(bias.shape == (n,), f"bias must have shape ({n},), got {tuple(bias.shape)}")
-    impl, resolved, _ = resolve_op("linear", recipe, device, backend, k, n)
-    out = impl.linear(x.reshape(-1, k), weight, bias, resolved)
-    return out.reshape(*x.shape[:-1], n)
+    impl, resolved = _resolve("linear", recipe, device, backend, k, n)
+    return run_linear(impl, x, weight, bias, resolved)
 
 
 def _check_offsets(offs: torch.Tensor, rows: int) -> None:
@@ -102,7 +194,8 @@ def fp8_grouped_mm(
     A: [R, K]; B_t: [E, K, N] (usually a transposed view of [E, N, K] expert weights);
     offs: int32 [E], cumulative end offsets of each expert's rows in A. Groups may be empty or
     unaligned; rows of A at or past ``offs[-1]`` get exactly zero output and zero gradient.
-    Returns [R, N] in bfloat16, like ``torch._grouped_mm`` on bfloat16 inputs.
+    Returns [R, N] in bfloat16 whatever the inputs' dtypes (as TorchAO's FP8 grouped GEMM does);
+    the gradients come back in A's and B_t's dtypes.
     """
     _check_float("A", A)
     _check_float("B_t", B_t)
@@ -120,5 +213,5 @@ def fp8_grouped_mm(
     )
     _require(A.shape[1] == k, f"A's K ({A.shape[1]}) must equal B_t's K ({k}); B_t is [experts, K, N]")
     _check_offsets(offs, A.shape[0])
-    impl, resolved, _ = resolve_op("grouped_mm", recipe, device, backend, k, n)
+    impl, resolved = _resolve("grouped_mm", recipe, device, backend, k, n)
     return impl.grouped_mm(A, B_t, offs, resolved)

@@ -14,6 +14,8 @@ the emulated backend can reproduce either exactly:
   and ``_to_fp8_rowwise_then_scaled_grouped_mm`` for grouped GEMMs.
 - ``"primus_turbo"``: Primus-Turbo >= v0.3.1 ``Float8QuantConfig`` (scale = fp8_max / amax, no
   rounding; tensorwise -> Format.HYBRID, rowwise -> Format.E4M3 with ScalingGranularity.ROWWISE).
+  Its kernels apply scales by multiplying with ``scale_inv = fl(1 / scale)``, dequantization and
+  GEMM epilogues alike (``csrc/pytorch/quantization/quantization.cpp``); the emulation does too.
   Rowwise backward re-quantizes input and weight from their dequantized forward FP8 copies, and a
   grouped GEMM's wgrad takes its column scales over all rows of all groups at once.
 - ``"primus_turbo_v0.2"``: Primus-Turbo v0.2.0-v0.3.0, where those backward copies are quantized
@@ -87,6 +89,9 @@ class Fp8Recipe:
     grouped_wgrad_per_group: bool = True
     """A grouped GEMM's rowwise wgrad scales are taken per group (TorchAO), or over all rows of all
     groups at once (Primus-Turbo)."""
+    reciprocal_scales: bool = False
+    """Dequantize by multiplying with the float32 reciprocal ``fl(1 / scale)`` (Primus-Turbo's
+    kernels take ``scale_inv``), instead of dividing by ``scale`` (TorchAO)."""
 
     @property
     def grouped_scales_per_expert(self) -> bool:
@@ -120,7 +125,7 @@ _R4 = OperandCast("e4m3", "rowwise")
 _HP = HIGH_PRECISION
 
 _TORCHAO = {"pow2_scales": True}
-_PRIMUS = {"pow2_scales": False, "grouped_wgrad_per_group": False, "backward_from_fp8": True}
+_PRIMUS = {"pow2_scales": False, "grouped_wgrad_per_group": False, "backward_from_fp8": True, "reciprocal_scales": True}
 _PRIMUS_V02 = {**_PRIMUS, "backward_from_fp8": False}
 
 # (recipe, definition) -> (output, grad_input, grad_weight casts), options

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import os
 from functools import cache
+from typing import TYPE_CHECKING
 
 import pluggy
 
 from . import hookspec
-from .backends.base import Fp8Backend
+
+if TYPE_CHECKING:  # importing titan_primus.backends imports every built-in backend: only lazily
+    from .backends.base import Fp8Backend
 
 __all__ = ["plugin_manager", "backends", "get_backend", "register", "unregister", "refresh"]
 
@@ -30,6 +33,8 @@ def plugin_manager() -> pluggy.PluginManager:
 @cache
 def backends() -> dict[str, Fp8Backend]:
     """Every registered backend by name, built-ins first."""
+    from .backends.base import Fp8Backend
+
     pm = plugin_manager()
     found: dict[str, Fp8Backend] = {}
     owner: dict[str, str] = {}

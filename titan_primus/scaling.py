@@ -14,7 +14,8 @@ import torch.distributed._functional_collectives as funcol
 
 from .recipes import Fp8Recipe, OperandCast
 
-__all__ = ["AMAX_EPS", "amax_to_scale", "scaled_cast", "quantize", "dequantize", "fake_quantize", "quantize_per_group"]
+__all__ = ["AMAX_EPS", "amax_to_scale", "scaled_cast", "quantize", "unscale", "dequantize", "fake_quantize",
+           "quantize_per_group"]
 
 AMAX_EPS = 1e-12
 
@@ -51,8 +52,14 @@ def quantize(
     return scaled_cast(x, scale, fp8_dtype), scale
 
 
-def dequantize(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return data.to(torch.float32) / scale
+def unscale(t: torch.Tensor, scale: torch.Tensor, reciprocal: bool) -> torch.Tensor:
+    """``t`` with ``scale`` taken out: divided by it, or (``reciprocal``, as Primus-Turbo's
+    kernels do) multiplied by its float32 reciprocal; the two differ in the last bit."""
+    return t * torch.reciprocal(scale) if reciprocal else t / scale
+
+
+def dequantize(data: torch.Tensor, scale: torch.Tensor, reciprocal: bool = False) -> torch.Tensor:
+    return unscale(data.to(torch.float32), scale, reciprocal)
 
 
 def fake_quantize(
@@ -67,7 +74,8 @@ def fake_quantize(
         return x.to(torch.float32)
     reduce_dim = contract_dim if cast.granularity == "rowwise" else None
     spans_shards = sharded_dim is not None and reduce_dim in (None, sharded_dim)
-    return dequantize(*quantize(x, recipe.dtype(cast), reduce_dim, recipe.pow2_scales, group if spans_shards else None))
+    data, scale = quantize(x, recipe.dtype(cast), reduce_dim, recipe.pow2_scales, group if spans_shards else None)
+    return dequantize(data, scale, recipe.reciprocal_scales)
 
 
 def quantize_per_group(

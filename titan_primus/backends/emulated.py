@@ -3,21 +3,26 @@ quantized values and apply the scales, as FP8 kernels do.
 
 Runs on any device and is the numerics oracle for the other backends: it reproduces every
 upstream definition of a recipe (scale math, formats, power-of-2 rounding, which operand is cast
-how). Linears dequantize and multiply in float32. Grouped GEMMs multiply the FP8 values held in
-bfloat16 (exact) with ``torch._grouped_mm`` and divide by the scales after, without a host sync,
-so they compile fullgraph; the bfloat16 rounding of the unscaled result is exact where scales
-are powers of two (TorchAO) and within one bfloat16 ulp otherwise (Primus-Turbo).
+how, and the dtype each GEMM's result is rounded to). Linears dequantize and multiply in
+float32, then round each GEMM's result to the dtype the kernels produce (see ``_gemm_result``).
+Grouped GEMMs multiply the FP8 values held in bfloat16 (exact) with ``torch._grouped_mm`` and take
+the scales out after (divide, or multiply by the float32 reciprocal for Primus-Turbo's
+definitions, as its kernels do), without a host sync, so they compile fullgraph; the bfloat16
+rounding of the unscaled result is exact where scales are powers of two (TorchAO) and within one
+bfloat16 ulp otherwise (Primus-Turbo). Every shape runs: dimensions ``torch._grouped_mm`` cannot
+take (its strides must be 16-byte multiples) are zero-padded, which changes no amax and no result.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ..device import DeviceProfile
 from ..fsdp_fp8 import Fp8GatheredWeight
 from ..grouping import group_ids, zero_trailing_rows
-from ..recipes import Fp8Recipe, has_definition, make_recipe
-from ..scaling import fake_quantize, quantize, quantize_per_group
+from ..recipes import Fp8Recipe, GemmCasts, has_definition, make_recipe
+from ..scaling import fake_quantize, quantize, quantize_per_group, unscale
 from .base import Fp8Backend, Op, TensorParallelShards, Verdict
 
 __all__ = ["EmulatedBackend"]
@@ -45,7 +50,24 @@ def _no_autocast(t: torch.Tensor):
     return torch.autocast(device_type=t.device.type, enabled=False)
 
 
+def _gemm_result(out: torch.Tensor, gemm: GemmCasts, recipe: Fp8Recipe, dtype: torch.dtype) -> torch.Tensor:
+    """A float32 GEMM result in ``dtype``, rounded as the kernels round it. TorchAO runs an FP8
+    GEMM with a rowwise-scaled operand in bfloat16 and casts float16/float32 results from there
+    (torchao/float8/float8_ops.py: ``preprocess_addmm`` repeats a tensorwise scale beside a
+    rowwise one, ``addmm_float8_unwrapped`` then asks torch._scaled_mm, which has no float32
+    output for rowwise scales, for bfloat16), so even its float32 linears round through bfloat16."""
+    fp8 = gemm.a.fmt is not None and gemm.b.fmt is not None
+    rowwise = fp8 and "rowwise" in (gemm.a.granularity, gemm.b.granularity)
+    if rowwise and recipe.definition == "torchao" and dtype != torch.bfloat16:
+        out = out.to(torch.bfloat16)
+    return out.to(dtype)
+
+
 class _EmulatedLinear(torch.autograd.Function):
+    """Every GEMM returns x's dtype, the dtype the model computes in (the dtype contract in
+    titan_primus.ops): the output and grad_input in it, grad_weight in it too before the cast
+    to the weight's dtype (as autograd casts TorchAO's and nn.Linear-under-autocast's)."""
+
     @staticmethod
     def forward(ctx, x, weight, bias, recipe: Fp8Recipe, shards: TensorParallelShards | None):
         with _no_autocast(x):
@@ -63,10 +85,9 @@ class _EmulatedLinear(torch.autograd.Function):
         )
         casts = recipe.output
         x_q = fake_quantize(x, casts.a, recipe, 1, *ctx.x_shard)
-        out = x_q @ _cast(weight, casts.b, recipe, 1, *ctx.w_shard).t()
-        if bias is not None:
-            out = out + bias.to(torch.float32)
-        return out.to(x.dtype)
+        out = _gemm_result(x_q @ _cast(weight, casts.b, recipe, 1, *ctx.w_shard).t(), casts, recipe, x.dtype)
+        # Bias is added in the output's dtype, after the GEMM, as TorchAO's Float8Linear does.
+        return out if bias is None else out + bias.to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -83,11 +104,11 @@ class _EmulatedLinear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             c = recipe.grad_input  # [M, N] @ [N, K]: contract over N
             grad_x = fake_quantize(grad_out, c.a, recipe, 1, *gs) @ _cast(weight, c.b, recipe, 0, *ws)
-            grad_x = grad_x.to(x.dtype)
+            grad_x = _gemm_result(grad_x, c, recipe, x.dtype)
         if ctx.needs_input_grad[1]:
             c = recipe.grad_weight  # [N, M] @ [M, K]: contract over M
             grad_w = fake_quantize(grad_out, c.a, recipe, 0, *gs).t() @ fake_quantize(x, c.b, recipe, 0, *xs)
-            grad_w = grad_w.to(weight.dtype)
+            grad_w = _gemm_result(grad_w, c, recipe, x.dtype).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad_out.to(torch.float32).sum(0).to(grad_out.dtype)
         return grad_x, grad_w, grad_b, None, None
@@ -111,6 +132,11 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.T
     return torch._grouped_mm(a, b, offs=offs).to(torch.float32)
 
 
+def _unscaled(acc: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, recipe: Fp8Recipe) -> torch.Tensor:
+    """A GEMM result with both operands' scales taken out, in the order the kernels apply them."""
+    return unscale(unscale(acc, a_scale, recipe.reciprocal_scales), b_scale, recipe.reciprocal_scales)
+
+
 def _per_row(expert_scale: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """An [E, 1, C] or [E, C, 1] per-expert scale, gathered for each row by its expert; rows past
     the last group borrow the last expert's (they are zeroed anyway)."""
@@ -119,8 +145,24 @@ def _per_row(expert_scale: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return expert_scale.reshape(expert_scale.shape[0], -1)[ids.clamp(max=expert_scale.shape[0] - 1)]
 
 
+_ALIGNMENT = 8
+"""torch._grouped_mm needs every stride a multiple of 16 bytes: 8 bfloat16 elements."""
+
+
+def _padded(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """``t`` zero-padded at the end of ``dims`` to multiples of ``_ALIGNMENT`` (itself if aligned).
+    Zeros change no amax and add nothing to a GEMM, and F.pad's backward slices the padding off."""
+    pad = [0] * (2 * t.dim())
+    for d in dims:
+        pad[2 * (t.dim() - 1 - d) + 1] = -t.shape[d] % _ALIGNMENT
+    return F.pad(t, pad) if any(pad) else t
+
+
 class _EmulatedGroupedMM(torch.autograd.Function):
-    """Group boundaries never leave the device (no host sync), so it compiles fullgraph."""
+    """Group boundaries never leave the device (no host sync), so it compiles fullgraph. Takes K
+    and N already padded to multiples of ``_ALIGNMENT``. Its output is bfloat16 (the dtype
+    contract in titan_primus.ops), each gradient bfloat16 cast to its input's dtype, as TorchAO's
+    grouped GEMM returns them."""
 
     @staticmethod
     def forward(ctx, A, B_t, offs, recipe: Fp8Recipe):
@@ -129,10 +171,10 @@ class _EmulatedGroupedMM(torch.autograd.Function):
         casts = recipe.output
         a, a_scale = _operand(A, casts.a, recipe, contract_dim=1)  # rowwise: per row over K
         b, b_scale = _operand(B_t, casts.b, recipe, contract_dim=1)  # rowwise: per (expert, n) over K
-        out = _grouped_mm(a, b, offs) / a_scale / _per_row(b_scale, ids)
+        out = _unscaled(_grouped_mm(a, b, offs), a_scale, _per_row(b_scale, ids), recipe)
         ctx.save_for_backward(A, B_t, offs, ids)
         ctx.recipe = recipe
-        return zero_trailing_rows(out, offs).to(A.dtype)
+        return zero_trailing_rows(out, offs).to(torch.bfloat16)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -146,8 +188,8 @@ class _EmulatedGroupedMM(torch.autograd.Function):
             c = recipe.grad_input  # [rows, N] @ [N, K] per group: contract over N
             g, g_scale = _operand(grad_out, c.a, recipe, contract_dim=1)
             b, b_scale = _operand(B_src, c.b, recipe, contract_dim=2)  # rowwise: per (expert, k) over N
-            grad_A = _grouped_mm(g, b.transpose(-2, -1), offs) / g_scale / _per_row(b_scale, ids)
-            grad_A = zero_trailing_rows(grad_A, offs).to(A.dtype)
+            grad_A = _unscaled(_grouped_mm(g, b.transpose(-2, -1), offs), g_scale, _per_row(b_scale, ids), recipe)
+            grad_A = zero_trailing_rows(grad_A, offs).to(torch.bfloat16).to(A.dtype)
         if ctx.needs_input_grad[1]:
             c = recipe.grad_weight  # [K, rows] @ [rows, N] per group: contract over the group's rows
             if c.a.granularity == "rowwise" and recipe.grouped_wgrad_per_group:
@@ -159,7 +201,7 @@ class _EmulatedGroupedMM(torch.autograd.Function):
                 g, g_scale = _operand(grad_out, c.a, recipe, contract_dim=0)
                 a, a_scale = _operand(A_src, c.b, recipe, contract_dim=0)
                 a_scale = a_scale.t() if a_scale.dim() else a_scale  # [1, K] -> [K, 1]
-            grad_B = (_grouped_mm(a.t(), g, offs) / a_scale / g_scale).to(B_t.dtype)
+            grad_B = _unscaled(_grouped_mm(a.t(), g, offs), a_scale, g_scale, recipe).to(torch.bfloat16).to(B_t.dtype)
         return grad_A, grad_B, None, None
 
 
@@ -189,10 +231,12 @@ class EmulatedBackend(Fp8Backend):
         return Verdict.yes("the emulation dequantizes the gathered FP8 weight directly")
 
     def gathered_weight(self, data, scale, dtype, recipe):
-        return Fp8GatheredWeight(data, scale, dtype)
+        return Fp8GatheredWeight(data, scale, dtype, recipe.reciprocal_scales)
 
     def linear(self, x, weight, bias, recipe, shards=None):
         return _EmulatedLinear.apply(x, weight, bias, recipe, shards)
 
     def grouped_mm(self, A, B_t, offs, recipe):
-        return _EmulatedGroupedMM.apply(A, B_t, offs, recipe)
+        n = B_t.shape[2]
+        out = _EmulatedGroupedMM.apply(_padded(A, (1,)), _padded(B_t, (1, 2)), offs, recipe)
+        return out if out.shape[1] == n else out[:, :n]

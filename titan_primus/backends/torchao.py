@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 from functools import cached_property
 
 import torch
@@ -78,7 +79,20 @@ class TorchAOBackend(Fp8Backend):
         try:
             importlib.import_module("torchao.float8.float8_linear")
         except ImportError as e:
-            return f"TorchAO is not importable ({e}); pip install 'torchao>=0.17'"
+            return f"TorchAO is not importable ({e}); pip install 'torchao>=0.15'"
+        return None
+
+    @cached_property
+    def _grouped_mm_import_error(self) -> str | None:
+        try:
+            self._grouped_mm_fn
+        except ImportError as e:
+            if importlib.util.find_spec("triton") is None:
+                return "TorchAO's FP8 grouped GEMM is written in Triton, which is not installed"
+            return (
+                f"TorchAO {importlib.import_module('torchao').__version__} has no FP8 rowwise grouped GEMM "
+                f"(_to_fp8_rowwise_then_scaled_grouped_mm, from torchao 0.17; {e}): pip install 'torchao>=0.17'"
+            )
         return None
 
     def rank(self, device: DeviceProfile) -> int:
@@ -105,6 +119,8 @@ class TorchAOBackend(Fp8Backend):
                 return Verdict.no(
                     f"TorchAO implements only the rowwise recipe for grouped GEMMs, not {recipe!r}"
                 )
+            if self._grouped_mm_import_error:
+                return Verdict.no(self._grouped_mm_import_error)
         bad = [f"{name}={dim}" for name, dim in (("K", k), ("N", n)) if dim is not None and dim % _ALIGNMENT]
         if bad:
             return Verdict.no(f"TorchAO's FP8 GEMMs need K and N divisible by {_ALIGNMENT} ({', '.join(bad)})")
@@ -112,7 +128,9 @@ class TorchAOBackend(Fp8Backend):
 
     def recipe_for(self, recipe: str, device: DeviceProfile) -> Fp8Recipe:
         resolved = make_recipe(recipe, "torchao", device)
-        self._configs(resolved)  # built at routing time, so compiled code only looks them up
+        # Built (and TorchAO imported) at routing time, so compiled code only looks them up:
+        # TorchAO imported while dynamo traces fails inside its own class definitions.
+        self._configs(resolved)
         return resolved
 
     @cached_property
@@ -120,10 +138,13 @@ class TorchAOBackend(Fp8Backend):
         return {}
 
     def _configs(self, recipe: Fp8Recipe):
-        """TorchAO's (Float8LinearConfig, LinearMMConfig) for ``recipe``, built once."""
+        """TorchAO's linear autograd function, Float8LinearConfig and LinearMMConfig for
+        ``recipe``, built once."""
         key = (recipe.name, recipe.e4m3, recipe.e5m2)
         if key not in self._linear_configs:
-            self._linear_configs[key] = _linear_configs(recipe)
+            from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+
+            self._linear_configs[key] = (matmul_with_hp_or_float8_args, *_linear_configs(recipe))
         return self._linear_configs[key]
 
     def accepts(self, recipe: Fp8Recipe) -> Verdict:
@@ -137,16 +158,15 @@ class TorchAOBackend(Fp8Backend):
     def gathered_weight(self, data, scale, dtype, recipe):
         from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
 
-        _, mm_config = self._configs(recipe)
+        *_, mm_config = self._configs(recipe)
         return Float8TrainingTensor(data, scale, dtype, mm_config, GemmInputRole.WEIGHT)
 
     def linear(self, x, weight, bias, recipe, shards=None):  # no TP scales: TP is refused
-        from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
-
-        config, mm_config = self._configs(recipe)
+        matmul, config, mm_config = self._configs(recipe)
 
         def run(x, weight):
-            return matmul_with_hp_or_float8_args.apply(x, weight.t(), mm_config, config)
+            # Output in x's dtype (TorchAO takes it from the input), grads in the inputs' dtypes.
+            return matmul.apply(x, weight.t(), mm_config, config)
 
         # Compiled code never reaches oneDNN's slow path: inductor lowers the FP8 GEMMs itself.
         eager_cpu = x.device.type == "cpu" and not torch.compiler.is_compiling()
@@ -158,6 +178,9 @@ class TorchAOBackend(Fp8Backend):
         return _first_attr(_GROUPED_MM_NAMES)
 
     def grouped_mm(self, A, B_t, offs, recipe):
+        # It takes float32 or bfloat16 operands only (asserted in fp8_grouped_mm.py); its output
+        # is bfloat16 and its gradients bfloat16, cast to the operands' dtypes by autograd.
+        A, B_t = (t.bfloat16() if t.dtype == torch.float16 else t for t in (A, B_t))
         # Masking the input too drops whatever the kernel writes into trailing rows of grad_A.
         out = self._grouped_mm_fn(
             zero_trailing_rows(A, offs), B_t, offs, out_dtype=torch.bfloat16, float8_dtype=recipe.e4m3,

@@ -130,11 +130,14 @@ def diagnose(device: str | None = None) -> dict:
     """Everything doctor reports, as data; ``device`` names a profile (default: detected)."""
     profile = resolve_profile(device)
     turbo = registry.backends().get("primus_turbo")
+    available = turbo.availability(profile) if turbo else None
     return {
         "schema_version": SCHEMA_VERSION,
         "kind": "doctor",
         "environment": environment(profile),
-        "primus_turbo": turbo.availability(profile).reason if turbo else "no primus_turbo backend is registered",
+        "primus_turbo": available.reason if turbo else "no primus_turbo backend is registered",
+        # Which Primus-Turbo entry points each op runs through, eager and under torch.compile.
+        "primus_turbo_paths": turbo.execution_paths() if available else None,
         "backends": _backends(profile),
         "routing": _routing(profile),
     }
@@ -159,6 +162,9 @@ def render(diagnosis: dict) -> str:
     env = diagnosis["environment"]
     device = env["device"]
     lines = ["titan-primus doctor", "", markdown_table(["component", "version"], _version_rows(diagnosis)), ""]
+    if diagnosis.get("primus_turbo_paths"):
+        lines += [f"Primus-Turbo path of both ops, {mode}: {path}" for mode, path in diagnosis["primus_turbo_paths"].items()]
+        lines.append("")
     lines.append(f"device: {device['description']}")
     lines.append(
         f"  MI300-class: {'yes' if device['mi300_class'] else 'no'}; "

@@ -3,20 +3,57 @@ the model config tree so linears and MoE experts run their GEMMs on the best FP8
 
 from __future__ import annotations
 
+import functools
 import logging
+import sys
 from dataclasses import dataclass, fields
 
+import torchtitan.components.quantization.utils as quantization_utils
 from torchtitan.components.quantization import QuantizationConverter
 from torchtitan.components.quantization.utils import swap_token_dispatcher
 from torchtitan.models.common.linear import Linear
 from torchtitan.models.common.moe import GroupedExperts
 
 from ..conversion import ConversionOptions, LayerRouter, group_alignment, keep_fp8_cast_rounding_under_inductor
-from .modules import Fp8Linear, fp8_experts_class
+from .modules import Fp8Linear, fp8_experts_class, is_fp8_config
 
-__all__ = ["Float8Converter"]
+__all__ = ["Float8Converter", "has_fp8_conversion"]
 
 logger = logging.getLogger("titan_primus")
+
+
+def has_fp8_conversion(model_config) -> bool:
+    """Whether the converter replaced any linear or expert block in ``model_config``."""
+    return any(
+        is_fp8_config(config)
+        for config_cls in (Linear.Config, GroupedExperts.Config)
+        for _, config, _, _ in model_config.traverse(config_cls)
+    )
+
+
+def recognise_fp8_in_has_quantization() -> None:
+    """Make TorchTitan's ``has_quantization(model_config)`` true for converted configs.
+
+    The trainer asks it whether the model is quantized and then logs no MFU (MFU against the
+    bf16 peak misleads for FP8). In TorchTitan 0.3.0 it recognises only TorchTitan's own
+    float8/MXFP8/NVFP4 Config classes and offers no registration hook, so it is wrapped: the
+    original answer, or :func:`has_fp8_conversion`. Both places that hold the function are
+    updated (its module, and ``torchtitan.trainer``, which imported it by name). Idempotent;
+    done when a converter is built, which is before the trainer asks.
+    """
+    original = quantization_utils.has_quantization
+    if getattr(original, "recognises_titan_primus", False):
+        return
+
+    @functools.wraps(original)
+    def has_quantization(model_config) -> bool:
+        return original(model_config) or has_fp8_conversion(model_config)
+
+    has_quantization.recognises_titan_primus = True
+    quantization_utils.has_quantization = has_quantization
+    trainer = sys.modules.get("torchtitan.trainer")
+    if trainer is not None and getattr(trainer, "has_quantization", None) is original:
+        trainer.has_quantization = has_quantization
 
 
 def _replace(model_config, parent, attr, new_config):
@@ -51,6 +88,7 @@ class Float8Converter(QuantizationConverter):
         self.router = LayerRouter(options)  # checks the options: bad values fail here
         self.report = self.router.report
         keep_fp8_cast_rounding_under_inductor()
+        recognise_fp8_in_has_quantization()
 
     def convert(self, model_config):
         if self.config.linears:

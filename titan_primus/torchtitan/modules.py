@@ -23,10 +23,11 @@ from torchtitan.distributed.parallel_dims import MeshAxisName
 from ..backends.base import TensorParallelShards
 from ..conversion import check_parallelism
 from ..fsdp_fp8 import enable_fp8_all_gather, fp8_all_gather_plan, register_amax_precompute_after_optimizer_steps
+from ..ops import run_linear
 from ..recipes import Fp8Recipe
 from ..registry import get_backend
 
-__all__ = ["Fp8Linear", "fp8_experts_class"]
+__all__ = ["Fp8Linear", "fp8_experts_class", "is_fp8_config"]
 
 logger = logging.getLogger("titan_primus")
 
@@ -118,9 +119,7 @@ class Fp8Linear(_Fp8Module, Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Local shapes: under tensor parallelism x and the weight are this rank's shards, and
         # fp8_shards tells the backend which amaxes to reduce across the TP group.
-        shards = {"shards": self.fp8_shards} if self.fp8_shards is not None else {}
-        out = self.fp8_backend.linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias, self.fp8_recipe, **shards)
-        return out.reshape(*x.shape[:-1], out.shape[-1])
+        return run_linear(self.fp8_backend, x, self.weight, self.bias, self.fp8_recipe, self.fp8_shards)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, fp8={self.fp8_backend.name}:{self.fp8_recipe.describe()}"
@@ -154,3 +153,8 @@ def fp8_experts_class(parent_cls: type[GroupedExperts]) -> type[GroupedExperts]:
     Fp8GroupedExperts.__name__ = Fp8GroupedExperts.__qualname__ = name
     _EXPERTS_CLASSES[parent_cls] = Fp8GroupedExperts
     return Fp8GroupedExperts
+
+
+def is_fp8_config(config) -> bool:
+    """Whether ``config`` builds one of the FP8 modules above."""
+    return isinstance(config, (Fp8Linear.Config, *(cls.Config for cls in _EXPERTS_CLASSES.values())))

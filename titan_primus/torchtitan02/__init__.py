@@ -16,21 +16,21 @@ job's TOML::
 On TorchTitan 0.3 use ``titan_primus.torchtitan`` (``--module titan_primus --config ...``).
 """
 
-from ..cli.doctor import installed_version
+from ..adapter_import import adapter_import_error
 
 try:
     # 0.2.x's converter registry; TorchTitan 0.3 replaced it with config-tree converters.
     from torchtitan.protocols.model_converter import register_model_converter
-except ImportError as e:
-    raise ImportError(
-        f"titan_primus.torchtitan02 is the adapter for TorchTitan 0.2.x, which has "
-        f"torchtitan.protocols.model_converter; the installed TorchTitan ({installed_version('torchtitan') or 'none'}) "
-        f"does not. On TorchTitan 0.3 use the 0.3 adapter: --module titan_primus --config <stock>_fp8"
-    ) from e
 
-from .converter import CONVERTER_NAME, Float8Converter  # noqa: E402
-from .job_config import JobConfig  # noqa: E402
-from .modules import Fp8GroupedExperts, Fp8Linear  # noqa: E402
+    from .converter import CONVERTER_NAME, Float8Converter
+    from .job_config import JobConfig
+    from .modules import Fp8GroupedExperts, Fp8Linear
+except ImportError as e:
+    raise adapter_import_error(
+        e, adapter="titan_primus.torchtitan02", line="0.2.x", extra="torchtitan02",
+        line_module="torchtitan.protocols.model_converter",
+        instead="On TorchTitan 0.3 use the 0.3 adapter: --module titan_primus --config <stock>_fp8",
+    ) from e
 
 register_model_converter(Float8Converter, CONVERTER_NAME)
 

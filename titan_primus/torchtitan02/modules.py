@@ -15,6 +15,7 @@ from torchtitan.models.moe.moe import GroupedExperts
 from torchtitan.models.moe.utils import indices_padding_wrapper
 
 from ..fsdp_fp8 import Fp8AllGatherPlan, enable_fp8_all_gather
+from ..ops import run_linear
 from ..routing import RoutingDecision
 
 __all__ = ["Fp8Linear", "Fp8GroupedExperts"]
@@ -37,8 +38,7 @@ class Fp8Linear(nn.Linear):
         return fp8.train(linear.training)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.fp8_backend.linear(x.reshape(-1, self.in_features), self.weight, self.bias, self.fp8_recipe)
-        return out.reshape(*x.shape[:-1], self.out_features)
+        return run_linear(self.fp8_backend, x, self.weight, self.bias, self.fp8_recipe)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, fp8={self.fp8_backend.name}:{self.fp8_recipe.describe()}"

@@ -1,0 +1,74 @@
+"""An adapter that cannot be imported says why, by its real cause, and how to fix it.
+
+Runs under either TorchTitan line (tests_tt02/test_adapter_import_errors.py runs it on 0.2.x), in
+a separate interpreter, with a module made unimportable where a case needs one missing.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from importlib.metadata import version
+
+import pytest
+
+TORCHTITAN = version("torchtitan")
+ADAPTERS = {"0.2": ("titan_primus.torchtitan02", "torchtitan02"), "0.3": ("titan_primus.torchtitan", "torchtitan")}
+LINE = ".".join(TORCHTITAN.split(".")[:2])
+(THIS, EXTRA), (OTHER, _) = ADAPTERS[LINE], next(v for k, v in ADAPTERS.items() if k != LINE)
+
+# One interpreter for every case (importing torch and TorchTitan dominates): the cases run from the
+# one that imports least of TorchTitan to the one that imports most, and TorchTitan's modules are
+# dropped between them so each case imports afresh.
+_IMPORTS = """
+import json, sys
+
+class Missing:
+    name = None
+
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == self.name:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+missing = Missing()
+sys.meta_path.insert(0, missing)
+messages = []
+for module, missing.name in json.loads(sys.argv[1]):
+    try:
+        __import__(module)
+        messages.append(None)
+    except ImportError as e:
+        messages.append(str(e))
+    for name in [n for n in sys.modules if n.startswith(("torchtitan", "titan_primus.torchtitan"))]:
+        del sys.modules[name]
+print(json.dumps(messages))
+"""
+CASES = [(THIS, "torchtitan"), (THIS, "triton"), (OTHER, None)]
+
+
+@pytest.fixture(scope="module")
+def messages() -> dict[tuple[str, str | None], str | None]:
+    """What importing each adapter raises, with a module made missing."""
+    done = subprocess.run([sys.executable, "-c", _IMPORTS, json.dumps(CASES)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    return dict(zip(CASES, json.loads(done.stdout.splitlines()[-1])))
+
+
+def test_the_other_lines_adapter_names_the_installed_line_and_what_to_use(messages):
+    message = messages[OTHER, None]
+    assert "is the adapter for TorchTitan" in message and f"the installed TorchTitan ({TORCHTITAN}) does not" in message
+    assert ("titan_primus.torchtitan02" if LINE == "0.2" else "--module titan_primus") in message
+
+
+def test_a_missing_triton_is_named_as_the_cause_not_the_torchtitan_line(messages):
+    """TorchTitan imports triton at import; a CPU-only torch wheel brings none."""
+    message = messages[THIS, "triton"]
+    assert f"importing TorchTitan {TORCHTITAN} failed inside it, in torchtitan/" in message, message
+    assert "ModuleNotFoundError: No module named 'triton'" in message and "Fix:" in message and "triton" in message.split("Fix:")[1]
+    assert "does not" not in message
+
+
+def test_a_missing_torchtitan_says_which_extra_to_install(messages):
+    message = messages[THIS, "torchtitan"]
+    assert message.endswith(f"which is not installed: pip install 'titan-primus[{EXTRA}]'"), message

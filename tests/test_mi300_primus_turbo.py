@@ -1,0 +1,182 @@
+"""The Primus-Turbo rules on the REAL kernels: runs only on an MI300-class GPU with Primus-Turbo
+installed (``mi300`` marker; ci/mi300x.yml). Each test is the hardware twin of a CPU test against
+the double (tests/test_primus_turbo_rules.py, tests/test_primus_turbo_compile.py): if one fails
+here, the double or the adapter is wrong about the kernels.
+
+What each asserts: fp32 activations come back fp32 and agree with the emulation; the alignment
+edges route as the adapter says and the kernels fail where the double says they do; the smallest
+grouped contraction dim the adapter admits (256) is right; rows past the groups are zero; the
+compiled path equals the eager one; the profiler sees three Primus-Turbo FP8 GEMMs per op per
+training step under torch.compile, and backward keeps FP8 operands only.
+"""
+
+import pytest
+import torch
+from helpers import make_offsets, run_grouped, run_linear, sqnrs
+
+import titan_primus as tp
+from titan_primus.backends.primus_turbo import load_api
+
+pytestmark = pytest.mark.mi300
+
+GEMM_OPS = ("primus_turbo::gemm_fp8_impl", "primus_turbo::grouped_gemm_fp8_impl",
+            "primus_turbo::grouped_gemm_fp8_variable_k_impl")
+
+
+@pytest.fixture
+def turbo():
+    api = load_api()
+    assert not isinstance(api, str), api
+    return api
+
+
+def decide(op, recipe, **dims):
+    return tp.select_backend(op, recipe, tp.detect_device(), **dims)
+
+
+def linear_fn(decision):
+    return lambda x, w, b: decision.backend.linear(x, w, b, decision.recipe)
+
+
+def grouped_fn(decision):
+    return lambda A, B_t, offs: decision.backend.grouped_mm(A, B_t, offs, decision.recipe)
+
+
+def emulated(decision, op):
+    def fn(*args):
+        if op == "linear":
+            return tp.fp8_linear(*args, recipe=decision.recipe, backend="emulated")
+        return tp.fp8_grouped_mm(*args, recipe=decision.recipe, backend="emulated")
+    return fn
+
+
+def grouped_inputs(k=256, n=512, counts=(300, 0, 211, 9), trailing=37, device="cuda"):
+    offs = make_offsets(list(counts)).to(device)
+    A = torch.randn(sum(counts) + trailing, k, dtype=torch.bfloat16, device=device)
+    weights = (torch.randn(len(counts), n, k, device=device) * 0.05).bfloat16()
+    return A, weights.transpose(-2, -1), offs, torch.randn(A.shape[0], n, device=device)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp32_activations(turbo, recipe):
+    decision = decide("linear", recipe, k=1024, n=2048)
+    if decision.backend_name != "primus_turbo":
+        pytest.skip(decision.explain())
+    x = torch.randn(507, 1024, device="cuda")
+    w = torch.randn(2048, 1024, device="cuda") * 0.02
+    b = torch.randn(2048, device="cuda")
+    g = torch.randn(507, 2048, device="cuda")
+    got = run_linear(linear_fn(decision), x, w, b, g)
+    assert [t.dtype for t in got[:3]] == [torch.float32] * 3
+    assert min(sqnrs(run_linear(emulated(decision, "linear"), x, w, b, g), got)) >= 25
+
+
+def test_rowwise_dense_alignment_edges(turbo):
+    """K = 48 (divisible by 16, not 32): CK releases refuse it (routed elsewhere), and CK itself
+    raises; v0.4.0's Triton runs it and agrees with the emulation."""
+    x = torch.randn(256, 48, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    w = torch.randn(256, 48, device="cuda", requires_grad=True)
+    decision = decide("linear", "rowwise", k=48, n=256)
+    if turbo.ck_rowwise_dense and turbo.release != "v0.2.0":
+        assert decision.backend_name != "primus_turbo"
+        with pytest.raises(RuntimeError, match="multiple of 32"):
+            turbo.gemm_fp8(x, w, trans_b=True, out_dtype=torch.bfloat16, config=turbo.configs["rowwise"])
+            torch.cuda.synchronize()
+    else:
+        assert decision.backend_name == "primus_turbo", decision.explain()
+        g = torch.randn(256, 256, device="cuda")
+        got = run_linear(linear_fn(decision), x.detach(), w.detach(), None, g)
+        assert min(sqnrs(run_linear(emulated(decision, "linear"), x.detach(), w.detach(), None, g), got)) >= 25
+    # N = 48: the dgrad contracts over N; CK releases (v0.2.0 included) refuse it.
+    assert (decide("linear", "rowwise", k=256, n=48).backend_name == "primus_turbo") != turbo.ck_rowwise_dense
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_grouped_small_k_edge(turbo, recipe):
+    """K = 128 is refused where the Triton grouped kernels run (v0.3.1+); K = 256, the smallest
+    admitted, agrees with the emulation (unbalanced, empty and trailing-row groups)."""
+    if turbo.triton_grouped:
+        assert decide("grouped_mm", recipe, k=128, n=512).backend_name != "primus_turbo"
+        assert decide("grouped_mm", recipe, k=512, n=128).backend_name != "primus_turbo"
+    decision = decide("grouped_mm", recipe, k=256, n=256)
+    if decision.backend_name != "primus_turbo":
+        pytest.skip(decision.explain())
+    A, B_t, offs, g = grouped_inputs(k=256, n=256)
+    got = run_grouped(grouped_fn(decision), A, B_t, offs, g)
+    assert all(torch.isfinite(t).all() for t in got)
+    assert (got[0][-37:] == 0).all() and (got[1][-37:] == 0).all()
+    assert min(sqnrs(run_grouped(emulated(decision, "grouped_mm"), A, B_t, offs, g), got)) >= 25
+
+
+def test_tail_rows_of_the_public_op(turbo):
+    """v0.4.0 zeroes rows past sum(group_lens) itself; earlier releases leave them unwritten
+    (whatever the allocator held), which is why the adapter masks them."""
+    A, B_t, offs, _ = grouped_inputs()
+    lens = torch.diff(offs, prepend=offs.new_zeros(1)).to(torch.int64)
+    extra = {"out_dtype": torch.bfloat16} if turbo.at_least("v0.3.1") else {}
+    out = turbo.grouped_gemm_fp8(A, B_t.transpose(-2, -1), lens, trans_b=True, config=turbo.configs["rowwise"], **extra)
+    if turbo.at_least("v0.4.0"):
+        assert (out[-37:] == 0).all()
+
+
+def test_contiguous_b_t_runs_without_transposition(turbo):
+    """A contiguous [E, K, N] B_t goes in with trans_b=False; same result as its transposed view."""
+    decision = decide("grouped_mm", "rowwise", k=256, n=512)
+    if decision.backend_name != "primus_turbo":
+        pytest.skip(decision.explain())
+    A, B_t, offs, g = grouped_inputs()
+    view = run_grouped(grouped_fn(decision), A, B_t, offs, g)
+    contiguous = run_grouped(grouped_fn(decision), A, B_t.contiguous(), offs, g)
+    assert min(sqnrs(view, contiguous)) >= 40
+
+
+def _profiled_step(fn, inputs, grad):
+    """(output, grads, Primus-Turbo FP8 GEMM op calls by name, bytes saved for backward by dtype)."""
+    leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
+    saved: dict[torch.dtype, int] = {}
+
+    def pack(t):
+        saved[t.dtype] = saved.get(t.dtype, 0) + t.numel() * t.element_size()
+        return t
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = fn(*leaves)
+        out.backward(grad)
+        torch.cuda.synchronize()
+    counts = {}
+    for event in prof.events():
+        if event.name in GEMM_OPS:
+            counts[event.name] = counts.get(event.name, 0) + 1
+    return out, [t.grad for t in leaves if t.requires_grad], counts, saved
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("op", ["linear", "grouped_mm"])
+def test_compiled_path_on_the_real_kernels(turbo, recipe, op):
+    """Compiled vs eager, the GEMM count from the profiler, and what backward keeps."""
+    if turbo.low_level is None:
+        pytest.skip(f"Primus-Turbo {turbo.release} has no low-level GEMM ops")
+    if op == "linear":
+        decision = decide("linear", recipe, k=1024, n=2048)
+        fn = linear_fn(decision)
+        x = torch.randn(512, 1024, dtype=torch.bfloat16, device="cuda")
+        w = torch.randn(2048, 1024, device="cuda") * 0.02
+        inputs, grad = (x, w), torch.randn(512, 2048, dtype=torch.bfloat16, device="cuda")
+        call = lambda x, w: fn(x, w, None)  # noqa: E731
+    else:
+        decision = decide("grouped_mm", recipe, k=256, n=512)
+        A, B_t, offs, g = grouped_inputs()
+        call, inputs, grad = grouped_fn(decision), (A, B_t, offs), g.bfloat16()
+    if decision.backend_name != "primus_turbo":
+        pytest.skip(decision.explain())
+    eager = _profiled_step(call, inputs, grad)
+    torch._dynamo.reset()
+    compiled_call = torch.compile(call, fullgraph=True)
+    _profiled_step(compiled_call, inputs, grad)  # compile outside the measured step
+    out, grads, counts, saved = _profiled_step(compiled_call, inputs, grad)
+    assert sum(counts.values()) == 3, counts
+    assert not {torch.bfloat16, torch.float16} & set(saved), saved
+    assert saved.get(turbo.float8_e4m3, 0) == inputs[0].numel() + inputs[1].numel()
+    assert torch.equal(out, eager[0])
+    assert all(torch.equal(a, b) for a, b in zip(grads, eager[1]))

@@ -1,0 +1,61 @@
+"""What TorchTitan 0.2.2 sees of a converted model: its dtypes under the autocast its trainer
+enables, unaligned expert dims, and what 0.2.2 asks about quantization (nothing the 0.3
+has_quantization covers)."""
+
+import inspect
+
+import torch
+from torch import nn
+from torchtitan.components.metrics import MetricsProcessor
+from torchtitan.models.moe.moe import GroupedExperts
+from tt02_helpers import convert, materialize, meta_model, tokens
+
+from titan_primus.torchtitan02 import Fp8GroupedExperts
+
+
+def linear_output_dtypes(model: nn.Module) -> tuple[torch.dtype, dict]:
+    dtypes = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            module.register_forward_hook(lambda m, i, o, name=name: dtypes.__setitem__(name, o.dtype))
+    # What TorchTitan 0.2.2's maybe_enable_amp enables on a single device (mixed_precision_param bf16).
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(tokens(seq=16))
+    return logits.dtype, dtypes
+
+
+def test_converted_model_keeps_stock_dtypes_under_autocast():
+    stock = linear_output_dtypes(materialize(meta_model("llama3")))
+    model = meta_model("llama3")
+    convert(model)
+    converted = linear_output_dtypes(materialize(model))
+    assert stock[0] == converted[0] == torch.bfloat16
+    assert stock[1] == converted[1] and set(converted[1].values()) == {torch.bfloat16}
+
+
+def test_expert_block_with_unaligned_dims_trains():
+    """Experts whose dims torch._grouped_mm cannot take unpadded (not multiples of 8)."""
+    with torch.device("meta"):
+        model = nn.ModuleDict({"experts": GroupedExperts(dim=20, hidden_dim=12, num_experts=4, use_grouped_mm=True)})
+    report = convert(model).report
+    assert [r.backend for r in report.layers] == ["emulated"]
+    experts = model["experts"]
+    assert isinstance(experts, Fp8GroupedExperts)
+    experts.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn_like(p) * 0.2)
+    x = torch.randn(30, 20, requires_grad=True)
+    out = experts(x, torch.tensor([7, 0, 13, 10]))
+    out.backward(torch.randn_like(out))
+    assert out.shape == (30, 20) and torch.isfinite(out).all() and torch.isfinite(x.grad).all()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in experts.parameters())
+
+
+def test_torchtitan_0_2_has_no_quantization_flag_to_set():
+    """0.2.2 logs MFU for every run, its own float8 runs included: its metrics take no
+    has_quantization (0.3 added it), so there is nothing to tell it (test_trainer.py checks the
+    FP8 run logs MFU like the stock one). Its other "is this float8?" question,
+    `"float8" in job_config.model.converters`, picks TorchAO's Float8 tensor-parallel plans and
+    rightly stays False for titan_primus.float8 (its modules are not TorchAO's)."""
+    assert "has_quantization" not in inspect.signature(MetricsProcessor.__init__).parameters

@@ -1,0 +1,80 @@
+"""Why a TorchTitan adapter could not be imported, told by its real cause, with the fix.
+
+Each adapter imports a TorchTitan module that exists on its own line only, so a failed import can
+mean three things: TorchTitan is missing, the other line is installed, or TorchTitan itself
+failed to import something (Triton is missing under a CPU-only torch, torch is too old). The
+third must never read as the second.
+"""
+
+from __future__ import annotations
+
+from importlib import metadata
+from pathlib import Path
+import traceback
+
+import torch
+
+__all__ = ["adapter_import_error"]
+
+
+def adapter_import_error(
+    error: ImportError, *, adapter: str, line: str, extra: str, line_module: str, instead: str
+) -> ImportError:
+    """The ImportError ``adapter`` raises when importing TorchTitan failed with ``error``.
+
+    ``line_module`` is the TorchTitan module only ``line`` has; ``instead`` tells what to use on
+    the other line.
+    """
+    missing = error.name or ""
+    if missing == "torchtitan":
+        return ImportError(f"{adapter} needs TorchTitan {line}, which is not installed: pip install 'titan-primus[{extra}]'")
+    version = _installed_version("torchtitan")
+    if missing == line_module or (line_module.startswith(f"{missing}.") and missing.startswith("torchtitan.")):
+        return ImportError(
+            f"{adapter} is the adapter for TorchTitan {line}, which has {line_module}; the installed "
+            f"TorchTitan ({version}) does not. {instead}"
+        )
+    return ImportError(
+        f"{adapter}: importing TorchTitan {version} failed inside it, {_where(error)}: "
+        f"{type(error).__name__}: {error}. Fix: {_fix(missing)}"
+    )
+
+
+def _installed_version(distribution: str) -> str:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return "of unknown version"
+
+
+def _where(error: BaseException) -> str:
+    """The file and line of the import statement that failed (importlib's own frames skipped)."""
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith("<")]
+    if not frames:
+        return "at import"
+    parts = Path(frames[-1].filename).parts
+    # From the package down (torchtitan/models/...), wherever TorchTitan is installed or checked out.
+    if "torchtitan" in parts:
+        parts = parts[len(parts) - 1 - parts[::-1].index("torchtitan"):]
+    return f"in {'/'.join(parts).lstrip('/')}, line {frames[-1].lineno}"
+
+
+def _fix(missing: str) -> str:
+    top = missing.split(".")[0]
+    if top == "triton":
+        if torch.version.hip:
+            return (
+                "this ROCm torch brings Triton as the distribution pytorch-triton-rocm: reinstall "
+                "that one (the registry's `triton` is not the ROCm build)"
+            )
+        if torch.version.cuda:
+            return "this CUDA torch declares its Triton: pip install the triton version torch requires (pip check names it)"
+        return "CPU-only torch wheels bring no Triton and TorchTitan imports it: pip install triton"
+    if top == "torch":
+        return (
+            f"this TorchTitan needs a newer torch than {torch.__version__} (README, Install: minimum "
+            f"versions per TorchTitan line)"
+        )
+    if top:
+        return f"install (or repair) the distribution that provides the module {top!r}"
+    return "repair the TorchTitan installation (pip check lists what is missing or mismatched)"
