@@ -17,7 +17,8 @@ HERE = Path(__file__).parent
 
 
 def torchrun_script(script: str, *args: str) -> str:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE)}
+    # The repository root first: its titan_primus, not an installed copy.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE)])}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(HERE / script), *args],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,

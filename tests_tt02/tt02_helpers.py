@@ -72,11 +72,16 @@ def stock_toml(fp8_toml: Path, directory: Path) -> Path:
     return path
 
 
-def run_trainer(toml: Path, dump: Path, steps: int, *extra: str, seq_len: int = 128) -> tuple[dict[int, float], str]:
-    """TorchTitan 0.2's real trainer through the CPU launcher; returns ({step: loss}, log)."""
+def run_trainer(
+    toml: Path, dump: Path, steps: int, *extra: str, seq_len: int = 128, nproc: int = 1
+) -> tuple[dict[int, float], str]:
+    """TorchTitan 0.2's real trainer through the CPU launcher (``nproc`` ranks, gloo); returns
+    ({step: loss}, log)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    launcher = [sys.executable] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     cmd = [
-        sys.executable, str(EXAMPLES / "cpu_launch.py"), "--job.config_file", str(toml),
+        *launcher, str(EXAMPLES / "cpu_launch.py"), "--job.config_file", str(toml),
         "--training.steps", str(steps), "--training.seq_len", str(seq_len), "--training.local_batch_size", "2",
         "--job.dump_folder", str(dump), "--debug.seed", "42", *extra,
     ]

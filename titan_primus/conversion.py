@@ -13,8 +13,9 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Literal
 
-from .backends.base import Op
+from .backends.base import Op, Verdict
 from .device import DeviceProfile, device_profile, resolve_device
+from .fsdp_fp8 import fp8_all_gather_plan
 from .recipes import Fp8Recipe, check_recipe_name
 from .registry import backends, get_backend
 from .routing import BackendUnavailableError, RoutingDecision, select_backend
@@ -134,11 +135,15 @@ class ConversionOptions:
     device: str | None = None
     """Route as if on this named device profile ("gfx942", "sm90", "cpu", ...); default: the
     detected device."""
+    enable_fsdp_float8_all_gather: bool = False
+    """Under FSDP2, all-gather FP8 linears' weights as FP8 payload plus scales (about half the
+    bytes) wherever that is bit-exact for the recipe and the backend takes a pre-quantized
+    weight; elsewhere bf16, with the reason in the routing report."""
 
     def check(self) -> None:
         """Raise ValueError naming the bad option. Config files reach here unchecked (TOML values
         are not type-checked), and a string ``filter_fqns`` would silently match by character."""
-        for name in ("linears", "grouped_experts", "auto_filter_small_kn", "strict"):
+        for name in ("linears", "grouped_experts", "auto_filter_small_kn", "strict", "enable_fsdp_float8_all_gather"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"FP8 option {name!r} must be true or false, got {getattr(self, name)!r}")
         check_recipe_name(self.recipe)
@@ -172,6 +177,8 @@ class ConversionReport:
     recipe: str
     decisions: dict[str, RoutingDecision] = field(default_factory=dict)
     layers: list[LayerRoute] = field(default_factory=list)
+    fp8_all_gather: dict[str, Verdict] = field(default_factory=dict)
+    """Per op, with enable_fsdp_float8_all_gather on: whether FSDP2 gathers its weights in FP8."""
 
     def converted(self, kind: str | None = None) -> list[LayerRoute]:
         return [r for r in self.layers if r.backend and kind in (None, r.kind)]
@@ -196,6 +203,10 @@ class ConversionReport:
             for reason, fqns in by_reason.items():
                 shown = ", ".join(fqns[:4]) + (f", ... ({len(fqns)} in all)" if len(fqns) > 4 else "")
                 lines.append(f"  {label} kept in high precision: {shown}: {reason}")
+            if op in self.fp8_all_gather and self.converted(kind):
+                verdict = self.fp8_all_gather[op]
+                how = "FP8 payload + scales" if verdict else "bf16"
+                lines.append(f"  {label}: FSDP2 weight all-gather in {how}: {verdict.reason}")
         return "\n".join(lines)
 
 
@@ -243,6 +254,20 @@ class LayerRouter:
             or self._skip_reason(fqn, decision, "grouped_mm", hidden_dim, dim)
         )
         return self._record(fqn, "experts", decision, reason)
+
+    def fp8_all_gather(self, op: Op) -> bool:
+        """Whether FSDP2 all-gathers the FP8 weights of ``op`` as FP8 (the option is on and
+        that is exact here), recorded with the reason in the report."""
+        if not self.options.enable_fsdp_float8_all_gather:
+            return False
+        if op not in self.report.fp8_all_gather:
+            decision = self.decision(op)
+            if op == "grouped_mm":
+                verdict = Verdict.no("FP8 all-gather of MoE expert weights is not implemented yet")
+            else:
+                verdict = fp8_all_gather_plan(decision.backend, decision.recipe)[1]
+            self.report.fp8_all_gather[op] = verdict
+        return bool(self.report.fp8_all_gather[op])
 
     def _record(self, fqn, kind, decision: RoutingDecision, reason: str | None) -> RoutingDecision | None:
         if reason:

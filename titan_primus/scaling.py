@@ -14,7 +14,8 @@ import torch.distributed._functional_collectives as funcol
 
 from .recipes import Fp8Recipe, OperandCast
 
-__all__ = ["AMAX_EPS", "amax_to_scale", "quantize", "unscale", "dequantize", "fake_quantize", "quantize_per_group"]
+__all__ = ["AMAX_EPS", "amax_to_scale", "scaled_cast", "quantize", "unscale", "dequantize", "fake_quantize",
+           "quantize_per_group"]
 
 AMAX_EPS = 1e-12
 
@@ -24,6 +25,12 @@ def amax_to_scale(amax: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool) -> tor
     if pow2:
         scale = torch.exp2(torch.floor(torch.log2(scale)))
     return scale
+
+
+def scaled_cast(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """``x * scale`` in float32, saturated to +-finfo(fp8_dtype).max, cast to ``fp8_dtype``."""
+    fp8_max = torch.finfo(fp8_dtype).max
+    return (x.to(torch.float32) * scale).clamp(-fp8_max, fp8_max).to(fp8_dtype)
 
 
 def quantize(
@@ -42,9 +49,7 @@ def quantize(
             amax = amax.clone()
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=amax_group)
     scale = amax_to_scale(amax, fp8_dtype, pow2)
-    fp8_max = torch.finfo(fp8_dtype).max
-    data = (x.to(torch.float32) * scale).clamp(-fp8_max, fp8_max).to(fp8_dtype)
-    return data, scale
+    return scaled_cast(x, scale, fp8_dtype), scale
 
 
 def unscale(t: torch.Tensor, scale: torch.Tensor, reciprocal: bool) -> torch.Tensor:
@@ -84,6 +89,4 @@ def quantize_per_group(
     index = group_ids.unsqueeze(-1).expand_as(magnitude)
     amax = magnitude.new_zeros(num_groups + 1, x.shape[1]).scatter_reduce(0, index, magnitude, "amax")
     scales = amax_to_scale(amax, fp8_dtype, pow2)
-    fp8_max = torch.finfo(fp8_dtype).max
-    data = (x.to(torch.float32) * scales[group_ids]).clamp(-fp8_max, fp8_max).to(fp8_dtype)
-    return data, scales
+    return scaled_cast(x, scales[group_ids], fp8_dtype), scales

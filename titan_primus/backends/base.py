@@ -105,3 +105,15 @@ class Fp8Backend(ABC):
     def accepts(self, recipe: Fp8Recipe) -> Verdict:
         """Can this backend run a recipe object built elsewhere (e.g. one definition compared
         across backends in a parity run)?"""
+
+    def takes_gathered_fp8_weight(self, recipe: Fp8Recipe) -> Verdict:
+        """Can ``linear`` consume a weight FSDP2 all-gathered as FP8 (the forward cast of
+        ``recipe``), built by :meth:`gathered_weight`, without re-quantizing it?"""
+        return Verdict.no(f"the {self.name} backend cannot take a pre-quantized weight yet")
+
+    def gathered_weight(
+        self, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, recipe: Fp8Recipe
+    ) -> torch.Tensor:
+        """The unsharded weight that ``linear`` receives, from the gathered FP8 ``data`` [N, K]
+        and float32 ``scale`` ([] tensorwise, [N, 1] rowwise); it presents ``dtype``."""
+        raise NotImplementedError(f"the {self.name} backend cannot take a pre-quantized weight")

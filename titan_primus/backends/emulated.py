@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ..device import DeviceProfile
+from ..fsdp_fp8 import Fp8GatheredWeight
 from ..grouping import group_ids, zero_trailing_rows
 from ..recipes import RECIPE_NAMES, Fp8Recipe, GemmCasts, has_definition, make_recipe
 from ..scaling import fake_quantize, quantize, quantize_per_group, unscale
@@ -32,8 +33,16 @@ def _backward_source(t: torch.Tensor, forward_cast, recipe: Fp8Recipe, contract_
     """What backward re-quantizes ``t`` from: ``t`` itself, or (Primus-Turbo >= v0.3.1, rowwise)
     its forward FP8 copy dequantized to ``t``'s dtype."""
     if recipe.backward_from_fp8 and forward_cast.granularity == "rowwise":
-        return fake_quantize(t, forward_cast, recipe, contract_dim, *shard).to(t.dtype)
+        return _cast(t, forward_cast, recipe, contract_dim, *shard).to(t.dtype)
     return t
+
+
+def _cast(t: torch.Tensor, cast, recipe: Fp8Recipe, contract_dim: int, *shard) -> torch.Tensor:
+    """``fake_quantize``, except that a weight FSDP2 gathered in FP8 is already cast: the
+    all-gather plan sends it only where ``cast`` is the forward cast it carries."""
+    if isinstance(t, Fp8GatheredWeight):
+        return t.dequantize()
+    return fake_quantize(t, cast, recipe, contract_dim, *shard)
 
 
 def _no_autocast(t: torch.Tensor):
@@ -77,7 +86,7 @@ class _EmulatedLinear(torch.autograd.Function):
         )
         casts = recipe.output
         x_q = fake_quantize(x, casts.a, recipe, 1, *ctx.x_shard)
-        out = _gemm_result(x_q @ fake_quantize(weight, casts.b, recipe, 1, *ctx.w_shard).t(), casts, recipe, x.dtype)
+        out = _gemm_result(x_q @ _cast(weight, casts.b, recipe, 1, *ctx.w_shard).t(), casts, recipe, x.dtype)
         # Bias is added in the output's dtype, after the GEMM, as TorchAO's Float8Linear does.
         return out if bias is None else out + bias.to(x.dtype)
 
@@ -95,7 +104,7 @@ class _EmulatedLinear(torch.autograd.Function):
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
             c = recipe.grad_input  # [M, N] @ [N, K]: contract over N
-            grad_x = fake_quantize(grad_out, c.a, recipe, 1, *gs) @ fake_quantize(weight, c.b, recipe, 0, *ws)
+            grad_x = fake_quantize(grad_out, c.a, recipe, 1, *gs) @ _cast(weight, c.b, recipe, 0, *ws)
             grad_x = _gemm_result(grad_x, c, recipe, x.dtype)
         if ctx.needs_input_grad[1]:
             c = recipe.grad_weight  # [N, M] @ [M, K]: contract over M
@@ -228,6 +237,12 @@ class EmulatedBackend(Fp8Backend):
 
     def accepts(self, recipe: Fp8Recipe) -> Verdict:
         return Verdict.yes("the emulation reproduces every recipe definition")
+
+    def takes_gathered_fp8_weight(self, recipe: Fp8Recipe) -> Verdict:
+        return Verdict.yes("the emulation dequantizes the gathered FP8 weight directly")
+
+    def gathered_weight(self, data, scale, dtype, recipe):
+        return Fp8GatheredWeight(data, scale, dtype, recipe.reciprocal_scales)
 
     def linear(self, x, weight, bias, recipe, shards=None):
         if recipe.block_scaled:  # block scales never span a TP shard: no amax reduction (TP is refused)

@@ -198,6 +198,15 @@ class TorchAOBackend(Fp8Backend):
             return Verdict.no(f"TorchAO runs the torchao definition of {recipe.name!r}, not the {recipe.definition} one")
         return Verdict.yes()
 
+    def takes_gathered_fp8_weight(self, recipe: Fp8Recipe) -> Verdict:
+        return Verdict.yes("TorchAO takes it as its own Float8TrainingTensor and skips the weight cast")
+
+    def gathered_weight(self, data, scale, dtype, recipe):
+        from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
+
+        *_, mm_config = self._configs(recipe)
+        return Float8TrainingTensor(data, scale, dtype, mm_config, GemmInputRole.WEIGHT)
+
     def linear(self, x, weight, bias, recipe, shards=None):  # no TP scales: TP is refused
         if recipe.block_scaled:
             out = self._blocked_linear(x, weight, recipe)

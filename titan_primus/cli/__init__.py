@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--compile", action="store_true",
                        help="torch.compile each forward, as TorchTitan compiles its blocks (TorchAO fuses its casts only then)")
     bench.add_argument("--quick", action="store_true", help="one shape per op, one iteration (for tests)")
+    bench.add_argument("--fsdp-ranks", type=_positive, default=8, metavar="N",
+                       help="ranks for the modelled FSDP2 all-gather traffic with/without FP8 all-gather (default 8)")
 
     report = commands.add_parser(
         "report", help="render parity/bench JSON files side by side as Markdown",
@@ -89,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             from . import bench
 
             return bench.command(args.recipe or list(RECIPE_NAMES), args.quick, args.compile, args.iters,
-                                 args.warmup, args.json, sys.stdout)
+                                 args.warmup, args.json, sys.stdout, fsdp_ranks=args.fsdp_ranks)
         from . import report
 
         return report.command(args.files, args.png, sys.stdout)

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from .. import registry
 from ..device import DeviceProfile, detect_device
 from .doctor import describe_error, environment, why_not
+from .fsdp_traffic import render_traffic, traffic_rows
 from .report import document, markdown_table, prepare_output, skip_lines, write_document
 from ..routing import RoutingDecision, select_backend
 
@@ -255,8 +256,9 @@ def render(rows: list[dict], profile: DeviceProfile, timing: tuple[int, int], mo
 
 
 def command(recipes: list[str], quick: bool, compile: bool, iters: int | None, warmup: int | None,
-            json_path: str | None, out) -> int:
-    """Measure, print, write ``json_path``; 1 when a backend raised."""
+            json_path: str | None, out, fsdp_ranks: int = 8) -> int:
+    """Measure, print, write ``json_path``; 1 when a backend raised. Also prints the modelled
+    FSDP2 all-gather traffic on ``fsdp_ranks`` ranks with and without FP8 all-gather."""
     profile = detect_device()
     prepare_output(json_path)
     shapes = (LINEAR_SHAPES[0], GROUPED_SHAPES[0]) if quick else (*LINEAR_SHAPES, *GROUPED_SHAPES)
@@ -270,6 +272,7 @@ def command(recipes: list[str], quick: bool, compile: bool, iters: int | None, w
     seconds = time.perf_counter() - started
     mode = "torch.compile" if compile else "eager"
     out.write(render(rows, profile, timing, mode, note, seconds))
+    out.write("\n" + render_traffic(fsdp_ranks))
     counts = Counter(r["status"] for r in rows)
     if json_path:
         found = peak_for(profile.name)
@@ -278,6 +281,7 @@ def command(recipes: list[str], quick: bool, compile: bool, iters: int | None, w
             "shape_divisor": divisor,
             "peak": {"device": found[0], "fp8_tflops": found[1].fp8, "bf16_tflops": found[1].bf16} if found else None,
             "note": note,
+            "fsdp_all_gather_model": traffic_rows(fsdp_ranks),
         }
         summary = {status: counts[status] for status in ("ok", "error", "skipped")}
         summary["seconds"] = round(seconds, 2)

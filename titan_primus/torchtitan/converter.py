@@ -75,7 +75,8 @@ class Float8Converter(QuantizationConverter):
     """Run FP8 linears and grouped MoE GEMMs on Primus-Turbo, TorchAO or the emulation,
     whichever is best on the device, decided once at conversion time. The fields are
     :class:`titan_primus.conversion.ConversionOptions` (backend, recipe, linears,
-    grouped_experts, filter_fqns, auto_filter_small_kn, strict, device)."""
+    grouped_experts, filter_fqns, auto_filter_small_kn, strict, device,
+    enable_fsdp_float8_all_gather)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(QuantizationConverter.Config, ConversionOptions):
@@ -105,7 +106,8 @@ class Float8Converter(QuantizationConverter):
                 unconvertible=f"{type(linear).__qualname__} has its own forward, which FP8 would replace" if custom else None,
             )
             if decision is not None:
-                new = _copy_as(linear, Fp8Linear.Config, fp8_backend=decision.backend_name, fp8_recipe=decision.recipe)
+                new = _copy_as(linear, Fp8Linear.Config, fp8_backend=decision.backend_name, fp8_recipe=decision.recipe,
+                               fp8_all_gather=self.router.fp8_all_gather("linear"))
                 model_config = _replace(model_config, parent, attr, new)
         return model_config
 
@@ -114,6 +116,7 @@ class Float8Converter(QuantizationConverter):
             decision = self.router.experts(fqn, experts.dim, experts.hidden_dim)
             if decision is None:
                 continue
+            self.router.fp8_all_gather("grouped_mm")  # reported: experts gather in bf16
             alignment = group_alignment(decision.backend_name, decision.recipe.name)
             if alignment:
                 swap_token_dispatcher(parent, alignment)  # ``parent`` is RoutedExperts.Config

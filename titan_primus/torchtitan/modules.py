@@ -8,6 +8,8 @@ unchanged and TorchTitan's name-keyed sharding applies as before.
 
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -20,11 +22,14 @@ from torchtitan.distributed.parallel_dims import MeshAxisName
 
 from ..backends.base import TensorParallelShards
 from ..conversion import check_parallelism
+from ..fsdp_fp8 import enable_fp8_all_gather, fp8_all_gather_plan, register_amax_precompute_after_optimizer_steps
 from ..ops import run_linear
 from ..recipes import Fp8Recipe
 from ..registry import get_backend
 
 __all__ = ["Fp8Linear", "fp8_experts_class", "is_fp8_config"]
+
+logger = logging.getLogger("titan_primus")
 
 
 class _Fp8Module:
@@ -62,6 +67,14 @@ def tensor_parallel_shards(sharding_config, parallel_dims) -> TensorParallelShar
     return TensorParallelShards(group, input_dim=1, weight_dim=1, grad_output_dim=None)
 
 
+@functools.cache
+def _warn_no_fp8_all_gather(spmd_backend: str) -> None:
+    logger.warning(
+        "titan-primus: enable_fsdp_float8_all_gather needs parallelism.spmd_backend 'spmd_types' "
+        "(TorchTitan's default); with %r FSDP2 gathers the FP8 linears' weights in bf16", spmd_backend,
+    )
+
+
 class Fp8Linear(_Fp8Module, Linear):
     """``Linear`` whose GEMMs run in FP8 on a titan-primus backend."""
 
@@ -74,14 +87,34 @@ class Fp8Linear(_Fp8Module, Linear):
         """Registered backend name, chosen by the converter."""
         fp8_recipe: Fp8Recipe
         """The exact numerics (recipe, definition, FP8 formats) the backend runs."""
+        fp8_all_gather: bool = False
+        """FSDP2 all-gathers the weight as FP8 (the converter found it exact here)."""
 
     def __init__(self, config: Config):
         super().__init__(config)
         self.bind_fp8(config)
+        self.fp8_all_gather = config.fp8_all_gather
 
     def parallelize(self, parallel_dims) -> None:
-        super().parallelize(parallel_dims)
         self.fp8_shards = tensor_parallel_shards(self._sharding_config, parallel_dims)
+        # Wrapped only where FSDP2 shards the weight, before fully_shard (which follows
+        # parallelize) and before TorchTitan annotates it (spmd_types; the DTensor backends,
+        # which distribute the weight first, are not supported: it is gathered in bf16 there).
+        if self.fp8_all_gather and parallel_dims.fsdp_enabled and self.fp8_shards is None:
+            if parallel_dims.spmd_backend == "spmd_types":
+                self.use_fp8_all_gather()
+            else:
+                _warn_no_fp8_all_gather(parallel_dims.spmd_backend)
+        super().parallelize(parallel_dims)
+
+    def use_fp8_all_gather(self) -> None:
+        """Make FSDP2 all-gather this layer's weight as FP8 (call before fully_shard)."""
+        plan, verdict = fp8_all_gather_plan(self.fp8_backend, self.fp8_recipe)
+        if plan is None:
+            raise ValueError(f"titan-primus: no FP8 all-gather for {self.extra_repr()}: {verdict.reason}")
+        enable_fp8_all_gather(self, "weight", plan)
+        # TorchTitan 0.3's converters have no post-optimizer seam (0.2.x's had one).
+        register_amax_precompute_after_optimizer_steps()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Local shapes: under tensor parallelism x and the weight are this rank's shards, and

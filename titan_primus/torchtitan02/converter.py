@@ -16,6 +16,7 @@ from ..conversion import (
     group_alignment,
     keep_fp8_cast_rounding_under_inductor,
 )
+from ..fsdp_fp8 import fp8_all_gather_plan, precompute_fp8_weight_amaxes
 from .modules import Fp8GroupedExperts, Fp8Linear
 
 __all__ = ["CONVERTER_NAME", "Float8Converter"]
@@ -87,7 +88,10 @@ class Float8Converter:
         decision = self.router.linear(fqn, linear.in_features, linear.out_features, unconvertible=unconvertible)
         if decision:
             check_parallelism(Fp8Linear.__name__, self.parallel_dims, decision, experts=False)
-            _swap(model, fqn, Fp8Linear.from_linear(linear, decision))
+            # Only where FSDP2 shards the weight (tensor parallelism is refused above).
+            fp8_gather = self.router.fp8_all_gather("linear") and self.parallel_dims.fsdp_enabled
+            plan = fp8_all_gather_plan(decision.backend, decision.recipe)[0] if fp8_gather else None
+            _swap(model, fqn, Fp8Linear.from_linear(linear, decision, plan))
 
     def _convert_experts(self, model: nn.Module, fqn: str, experts: GroupedExperts) -> None:
         unconvertible = None
@@ -97,6 +101,7 @@ class Float8Converter:
         decision = self.router.experts(fqn, dim, hidden_dim, unconvertible=unconvertible)
         if not decision:
             return
+        self.router.fp8_all_gather("grouped_mm")  # reported: experts gather in bf16
         check_parallelism(Fp8GroupedExperts.__name__, self.parallel_dims, decision, experts=True)
         alignment = group_alignment(decision.backend_name, decision.recipe.name)
         if alignment:
@@ -105,4 +110,8 @@ class Float8Converter:
         _swap(model, fqn, Fp8GroupedExperts.from_experts(experts, decision, alignment))
 
     def post_optimizer_hook(self, model) -> None:
-        """Nothing to do: scales are computed per GEMM call, no FP8 state outlives a step."""
+        """Refresh the whole-weight amaxes of the weights FSDP2 gathers as tensorwise FP8: one
+        all-reduce for all of them (nothing else outlives a step: other scales are computed
+        per GEMM call)."""
+        parts = model if isinstance(model, list) else [model]
+        precompute_fp8_weight_amaxes(p for part in parts for p in part.parameters())

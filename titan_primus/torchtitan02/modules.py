@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan.models.moe.moe import GroupedExperts
 from torchtitan.models.moe.utils import indices_padding_wrapper
 
+from ..fsdp_fp8 import Fp8AllGatherPlan, enable_fp8_all_gather
 from ..ops import run_linear
 from ..routing import RoutingDecision
 
@@ -24,11 +25,16 @@ class Fp8Linear(nn.Linear):
     """``nn.Linear`` whose GEMMs run in FP8 on a titan-primus backend."""
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, decision: RoutingDecision) -> "Fp8Linear":
+    def from_linear(
+        cls, linear: nn.Linear, decision: RoutingDecision, all_gather: Fp8AllGatherPlan | None = None
+    ) -> "Fp8Linear":
+        """``all_gather``: FSDP2 gathers the weight as FP8 per this plan (None: bf16)."""
         with torch.device("meta"):  # placeholders only: the original's parameters move over
             fp8 = cls(linear.in_features, linear.out_features, bias=False)
         fp8.weight, fp8.bias = linear.weight, linear.bias
         fp8.fp8_backend, fp8.fp8_recipe = decision.backend, decision.recipe
+        if all_gather is not None:
+            enable_fp8_all_gather(fp8, "weight", all_gather)
         return fp8.train(linear.training)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

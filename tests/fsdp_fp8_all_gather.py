@@ -1,0 +1,106 @@
+"""Run by test_fsdp_fp8_all_gather.py under torchrun (2 ranks, gloo): one converted model trained
+for a few steps under FSDP2 (bf16 parameters, fp32 reduction, as TorchTitan sets it) twice from
+the same initialisation, its FP8 linears' weights all-gathered in bf16 and then in FP8. Prints
+whether losses, gradients and updated weights are bitwise equal, and the bytes all-gathered per
+step, counted at the collective (all of it) and at the FP8 hooks (the FP8 weights' payload).
+
+Usage: fsdp_fp8_all_gather.py MODEL RECIPE DEVICE_PROFILE BACKEND STEPS
+"""
+
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from titan_helpers import build, model_config
+
+from cpu_world import exit_without_teardown  # examples/, on sys.path via titan_helpers
+
+from titan_primus.fsdp_fp8 import Fp8AllGatherWeight
+from titan_primus.torchtitan import Float8Converter, Fp8Linear
+
+dist.init_process_group("gloo")
+model_name, recipe, device, backend, steps = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
+world = dist.get_world_size()
+
+gathered = {"collective": 0, "fp8_hooks": 0, "amax_all_reduces": 0}
+_all_gather_single, _all_reduce = dist.all_gather_single, dist.all_reduce
+
+
+def _counting_all_reduce(tensor, *args, **kwargs):
+    gathered["amax_all_reduces"] += 1
+    return _all_reduce(tensor, *args, **kwargs)
+
+
+dist.all_reduce = _counting_all_reduce
+
+
+def _counting_all_gather(output, input, *args, **kwargs):
+    gathered["collective"] += output.numel() * output.element_size()
+    return _all_gather_single(output, input, *args, **kwargs)
+
+
+dist.all_gather_single = _counting_all_gather  # what FSDP2's default all-gather calls
+_pre_all_gather = Fp8AllGatherWeight.fsdp_pre_all_gather
+
+
+def _counting_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):  # FSDP2 reads the signature
+    inputs, metadata = _pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy)
+    gathered["fp8_hooks"] += world * sum(t.numel() * t.element_size() for t in inputs)
+    return inputs, metadata
+
+
+Fp8AllGatherWeight.fsdp_pre_all_gather = _counting_pre_all_gather
+
+config = Float8Converter.Config(device=device, recipe=recipe, backend=backend).build().convert(model_config(model_name))
+mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def sharded(fp8_all_gather: bool):
+    model = build(config, seed=0)
+    if fp8_all_gather:
+        for module in model.modules():
+            if isinstance(module, Fp8Linear):
+                module.use_fp8_all_gather()
+    for block in model.layers.values():
+        fully_shard(block, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+generator = torch.Generator().manual_seed(7)
+batches = [torch.randint(0, 2048, (2, 32), generator=generator) for _ in range(steps)]  # same on every rank
+runs = {}
+for fp8_all_gather in (False, True):
+    model, optimizer = sharded(fp8_all_gather)
+    losses, grads, bytes_per_step = [], [], []
+    for tokens in batches:
+        gathered.update(collective=0, fp8_hooks=0, amax_all_reduces=0)
+        logits = model(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append([p.grad.full_tensor() for p in model.parameters()])
+        optimizer.step()
+        optimizer.zero_grad()
+        bytes_per_step.append(dict(gathered))
+    state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+    runs[fp8_all_gather] = losses, grads, bytes_per_step, state
+
+(l0, g0, b0, s0), (l1, g1, b1, s1) = runs[False], runs[True]
+assert all(type(v) is torch.Tensor for v in s1.values()), "state dict must hold plain tensors"
+assert {k: (v.shape, v.dtype) for k, v in s0.items()} == {k: (v.shape, v.dtype) for k, v in s1.items()}
+loss_equal = all(torch.equal(a, b) for a, b in zip(l0, l1))
+grads_equal = all(torch.equal(a, b) for step0, step1 in zip(g0, g1) for a, b in zip(step0, step1))
+weights_equal = all(torch.equal(s0[k], s1[k]) for k in s0)
+off, on = b0[-1]["collective"], b1[-1]["collective"]
+fp8_payload = b1[-1]["fp8_hooks"]
+bf16_payload = off - (on - fp8_payload)  # the same weights' bytes when gathered in bf16
+if dist.get_rank() == 0:
+    print(f"losses {[round(float(v), 6) for v in l1]}")
+    print(f"amax all-reduces per step (FP8 all-gather): {[b['amax_all_reduces'] for b in b1]}")
+    print(f"bitwise equal: loss {loss_equal} grads {grads_equal} weights {weights_equal}")
+    print(f"all-gathered bytes per step: bf16 {off} fp8 {on} ratio {on / off:.4f}; "
+          f"FP8 linear weights: bf16 {bf16_payload} fp8 {fp8_payload} ratio {fp8_payload / bf16_payload:.4f}")
+dist.barrier()
+exit_without_teardown(0)  # see cpu_world: gloo processes can abort in interpreter teardown

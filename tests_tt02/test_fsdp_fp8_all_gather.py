@@ -1,0 +1,46 @@
+"""TorchTitan 0.2.2's trainer with [titan_primus] enable_fsdp_float8_all_gather under FSDP2
+(2 gloo ranks): the same losses as with it off, and checkpoints that resume without it."""
+
+import pytest
+from tt02_helpers import EXAMPLES, convert, meta_model, parallel_dims, run_trainer
+
+from titan_primus.fsdp_fp8 import Fp8AllGatherWeight
+from titan_primus.torchtitan02 import Fp8Linear
+
+FSDP2 = ("--parallelism.data_parallel_shard_degree", "2", "--titan_primus.recipe", "tensorwise")
+ON = "--titan_primus.enable_fsdp_float8_all_gather"
+
+
+@pytest.mark.parametrize("recipe, fsdp, wrapped", [("tensorwise", 2, True), ("tensorwise", 1, False), ("rowwise", 2, False)])
+def test_converter_wraps_weights_only_where_fsdp_gathers_them_exactly(recipe, fsdp, wrapped):
+    model = meta_model("llama3")
+    report = convert(model, parallel_dims(world_size=fsdp), recipe=recipe, device="cpu",
+                     enable_fsdp_float8_all_gather=True).report
+    linears = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    assert linears and all(isinstance(m.weight.data, Fp8AllGatherWeight) == wrapped for m in linears)
+    assert ("FSDP2 weight all-gather in FP8" if recipe == "tensorwise" else "FSDP2 weight all-gather in bf16") in report.summary()
+
+
+@pytest.mark.trainer
+@pytest.mark.parametrize("model", ["llama3", "deepseek_v3"])
+def test_fp8_all_gather_matches_it_off(model, tmp_path):
+    """Losses printed to 5 decimals are equal (the bitwise check is tests/test_fsdp_fp8_all_gather.py);
+    the amaxes are refreshed by the converter's post_optimizer_hook."""
+    toml = EXAMPLES / f"{model}_debug_fp8.toml"
+    on, log = run_trainer(toml, tmp_path / "on", 3, *FSDP2, ON, nproc=2)
+    off, _ = run_trainer(toml, tmp_path / "off", 3, *FSDP2, nproc=2)
+    assert "linears: FSDP2 weight all-gather in FP8 payload + scales: tensorwise" in log
+    assert "FSDP2 all-gathers FP8 weights as FP8 payload + scales" in log
+    if model == "deepseek_v3":
+        assert "grouped experts: FSDP2 weight all-gather in bf16" in log
+    assert on == off and sorted(on) == [1, 2, 3], (on, off)
+
+
+@pytest.mark.trainer
+def test_checkpoint_with_fp8_all_gather_resumes_on_one_rank_without_it(tmp_path):
+    toml, dump = EXAMPLES / "llama3_debug_fp8.toml", tmp_path / "run"
+    ckpt = ("--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.exclude_from_loading", "dataloader")
+    first, _ = run_trainer(toml, dump, 2, *FSDP2, ON, *ckpt, nproc=2)
+    resumed, log = run_trainer(toml, dump, 3, "--titan_primus.recipe", "tensorwise", *ckpt)
+    assert "step-2" in log and "Training starts at step 3" in log
+    assert sorted(resumed) == [3] and resumed[3] < first[1]
