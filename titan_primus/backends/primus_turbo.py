@@ -33,6 +33,11 @@ Two execution paths (``execution_paths`` says which one each op takes):
 - under ``torch.compile`` at v0.2.0 (no low-level GEMM ops): the public ops wrapped in
   titan-primus custom ops; their backward re-runs the forward under autograd (four FP8 GEMMs per
   op per step, bf16 inputs saved).
+
+A linear weight FSDP2 all-gathered in FP8 (``enable_fsdp_float8_all_gather``; tensorwise from
+v0.3.0, rowwise from v0.3.1) takes the low-level path, eager or compiled: ``gemm_fp8_impl``
+receives the gathered payload and ``scale_inv = fl(1 / scale)``, exactly what
+``quantize_fp8_*`` would have made of the gathered bf16 weight.
 """
 
 from __future__ import annotations
