@@ -4,7 +4,8 @@ the same initialisation, its FP8 linears' weights all-gathered in bf16 and then 
 whether losses, gradients and updated weights are bitwise equal, and the bytes all-gathered per
 step, counted at the collective (all of it) and at the FP8 hooks (the FP8 weights' payload).
 
-Usage: fsdp_fp8_all_gather.py MODEL RECIPE DEVICE_PROFILE BACKEND STEPS
+Usage: fsdp_fp8_all_gather.py MODEL RECIPE DEVICE_PROFILE BACKEND STEPS [PRIMUS_TURBO_DOUBLE_VERSION]
+(the last: install the Primus-Turbo TEST DOUBLE at that release first).
 """
 
 import sys
@@ -19,8 +20,17 @@ from cpu_world import exit_without_teardown  # examples/, on sys.path via titan_
 from titan_primus.fsdp_fp8 import Fp8AllGatherWeight
 from titan_primus.torchtitan import Float8Converter, Fp8Linear
 
+import titan_primus as tp
+
 dist.init_process_group("gloo")
 model_name, recipe, device, backend, steps = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
+double = None
+if len(sys.argv) > 6:
+    import pytest
+    from doubles import primus_turbo_double as double
+
+    double.install(pytest.MonkeyPatch(), version=sys.argv[6], arch=device)
+    tp.registry.refresh()
 world = dist.get_world_size()
 
 gathered = {"collective": 0, "fp8_hooks": 0, "amax_all_reduces": 0}
@@ -70,10 +80,12 @@ def sharded(fp8_all_gather: bool):
 
 generator = torch.Generator().manual_seed(7)
 batches = [torch.randint(0, 2048, (2, 32), generator=generator) for _ in range(steps)]  # same on every rank
-runs = {}
+runs, quantized = {}, {}
 for fp8_all_gather in (False, True):
     model, optimizer = sharded(fp8_all_gather)
     losses, grads, bytes_per_step = [], [], []
+    if double:
+        double.KERNEL_CALLS.clear()
     for tokens in batches:
         gathered.update(collective=0, fp8_hooks=0, amax_all_reduces=0)
         logits = model(tokens[:, :-1])
@@ -86,6 +98,9 @@ for fp8_all_gather in (False, True):
         bytes_per_step.append(dict(gathered))
     state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
     runs[fp8_all_gather] = losses, grads, bytes_per_step, state
+    if double:
+        quantized[fp8_all_gather] = sum(n for k, n in double.KERNEL_CALLS.items() if k.startswith("quantize"))
+        fp8_gathered = sum(isinstance(getattr(p, "_local_tensor", p), Fp8AllGatherWeight) for p in model.parameters())
 
 (l0, g0, b0, s0), (l1, g1, b1, s1) = runs[False], runs[True]
 assert all(type(v) is torch.Tensor for v in s1.values()), "state dict must hold plain tensors"
@@ -102,5 +117,9 @@ if dist.get_rank() == 0:
     print(f"bitwise equal: loss {loss_equal} grads {grads_equal} weights {weights_equal}")
     print(f"all-gathered bytes per step: bf16 {off} fp8 {on} ratio {on / off:.4f}; "
           f"FP8 linear weights: bf16 {bf16_payload} fp8 {fp8_payload} ratio {fp8_payload / bf16_payload:.4f}")
+    if double:  # each FP8-gathered weight is taken as gathered: one quantize launch fewer per step
+        print(f"Primus-Turbo double quantize launches: bf16 gather {quantized[False]} fp8 gather {quantized[True]} "
+              f"saved {quantized[False] - quantized[True]} = {fp8_gathered} weights x {steps} steps: "
+              f"{quantized[False] - quantized[True] == fp8_gathered * steps}")
 dist.barrier()
 exit_without_teardown(0)  # see cpu_world: gloo processes can abort in interpreter teardown

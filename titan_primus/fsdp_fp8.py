@@ -123,7 +123,7 @@ def quantize_weight(weight: torch.Tensor, plan: Fp8AllGatherPlan, amax: torch.Te
 
 
 class Fp8GatheredWeight(torch.Tensor):
-    """A gathered FP8 weight as the emulated backend consumes it: ``_data`` (FP8, [N, K]) and
+    """A gathered FP8 weight as the emulated and Primus-Turbo backends consume it: ``_data`` (FP8, [N, K]) and
     ``_scale`` (float32, [] or [N, 1]); it presents itself as the weight in ``param_dtype``.
     Autograd treats it as the unsharded parameter; its gradient is a plain tensor."""
 
@@ -139,6 +139,13 @@ class Fp8GatheredWeight(torch.Tensor):
         cast of the high-precision weight gives; ``reciprocal``: the recipe unscales by
         multiplying with the scale's reciprocal, as Primus-Turbo's kernels do)."""
         return dequantize(self._data, self._scale, self._reciprocal)
+
+    def fp8_data(self) -> torch.Tensor:
+        return self._data
+
+    def scale_inv(self) -> torch.Tensor:
+        """fl(1 / scale) in float32: what kernels that take scale inverses (Primus-Turbo's) receive."""
+        return torch.reciprocal(self._scale)
 
     def __repr__(self):
         return f"Fp8GatheredWeight(shape={tuple(self.shape)}, dtype={self.dtype}, fp8={self._data.dtype})"

@@ -37,7 +37,8 @@ file it comes from (paths at the tag named; ``ops/`` is ``primus_turbo/pytorch/o
   registered under a namespace per release (``primus_turbo_double_v0_4_0::gemm_fp8_impl``...);
   the adapter finds them as upstream does, at ``primus_turbo.pytorch.kernels...``.
 
-Not modelled: the GPU (``group_lens.is_cuda`` is not asserted), pre-quantized inputs,
+Not modelled: the GPU (``group_lens.is_cuda`` is not asserted), the public ops' pre-quantized
+inputs (``QuantizedTensor``, v0.3.1+; a pre-quantized operand reaches the low-level GEMM op only),
 BLOCKWISE/MX, the gfx950 NT-layout backward copies (same numerics).
 """
 
@@ -205,6 +206,14 @@ def _gemm_kernel(release: _Release, a, a_scale_inv, trans_a, b, b_scale_inv, tra
     KERNEL_CALLS["gemm_fp8_impl"] += 1
     _check(a.dim() == 2 and b.dim() == 2, "a.dim() == 2 && b.dim() == 2")
     _check(a.dtype in _FP8 and b.dtype in _FP8, "is_8bit_floating_point_dtype(a/b)")
+    # csrc/pytorch/gemm/hipblaslt_gemm.cpp (hipblaslt_gemm_fp8): A and B contiguous, TENSORWISE /
+    # ROWWISE scale inverses kFloat; csrc/pytorch/gemm/ck_gemm.cpp reads a/b.data_ptr() as dense
+    # and the scales as ``const float *``. A pre-quantized operand (an FSDP2-gathered weight, a
+    # view of the all-gather output) must meet them too.
+    _check(a.is_contiguous() and b.is_contiguous(), "A.is_contiguous() && B.is_contiguous()",
+           "A and B must be contiguous")
+    _check(a_scale_inv.dtype == torch.float32 and b_scale_inv.dtype == torch.float32,
+           "scaleA_inv.scalar_type() == at::kFloat && scaleB_inv.scalar_type() == at::kFloat")
     if out_dtype not in _SIXTEEN_BIT:
         if release.dispatcher:  # kernels/gemm/gemm_fp8_impl.py: no backend lists fp32 output
             raise _no_backend("GEMMFP8KernelDispatcher", out_dtype=out_dtype, granularity=granularity)

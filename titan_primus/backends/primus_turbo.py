@@ -33,6 +33,11 @@ Two execution paths (``execution_paths`` says which one each op takes):
 - under ``torch.compile`` at v0.2.0 (no low-level GEMM ops): the public ops wrapped in
   titan-primus custom ops; their backward re-runs the forward under autograd (four FP8 GEMMs per
   op per step, bf16 inputs saved).
+
+A linear weight FSDP2 all-gathered in FP8 (``enable_fsdp_float8_all_gather``; tensorwise from
+v0.3.0, rowwise from v0.3.1) takes the low-level path, eager or compiled: ``gemm_fp8_impl``
+receives the gathered payload and ``scale_inv = fl(1 / scale)``, exactly what
+``quantize_fp8_*`` would have made of the gathered bf16 weight.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ from types import ModuleType
 import torch
 
 from ..device import DeviceProfile
+from ..fsdp_fp8 import Fp8GatheredWeight
 from ..grouping import group_lens, zero_trailing_rows
 from ..recipes import Fp8Recipe, has_definition, make_recipe
 from .base import Fp8Backend, Op, Verdict
@@ -334,9 +340,36 @@ class PrimusTurboBackend(Fp8Backend):
                         f"low-level GEMM ops): backward re-runs the forward, 4 FP8 GEMMs per op, bf16 inputs saved")
         return {"eager": public, "compiled": compiled}
 
+    def takes_gathered_fp8_weight(self, recipe: Fp8Recipe) -> Verdict:
+        api = self._api
+        why = None
+        if isinstance(api, str):
+            why = api
+        elif not api.low_level:
+            why = (f"Primus-Turbo {api.release} has no low-level GEMM op (gemm_fp8_impl) to feed an FP8 "
+                   f"weight to, and its gemm_fp8 quantizes every input itself; upgrade to >= v0.3.0")
+        elif not self.accepts(recipe):
+            why = self.accepts(recipe).reason
+        elif recipe.name not in _QUANT:
+            why = f"Primus-Turbo's {recipe.name!r} GEMMs are not wired to a pre-quantized weight"
+        elif recipe.name == "rowwise" and api.low_level.dequantize_rowwise is None:
+            why = (f"Primus-Turbo {api.release} quantizes backward's column copy of the weight from the "
+                   f"high-precision weight, not from its FP8 copy (that arrived in v0.3.1)")
+        if why:
+            return Verdict.no(f"the primus_turbo backend cannot take a pre-quantized weight: {why}")
+        return Verdict.yes(f"Primus-Turbo {api.release}'s gemm_fp8_impl takes the gathered FP8 weight and its "
+                           f"scale_inv; only x is quantized")
+
+    def gathered_weight(self, data, scale, dtype, recipe):
+        return Fp8GatheredWeight(data, scale, dtype, recipe.reciprocal_scales)
+
     def linear(self, x, weight, bias, recipe, shards=None):  # no TP scales: TP is refused
         api = _require_api()
-        if not torch.compiler.is_compiling():
+        if isinstance(weight, Fp8GatheredWeight):
+            # FSDP2 gathered it in FP8 (only where takes_gathered_fp8_weight said so): the
+            # public ops would quantize it again, the low-level ops take it as it is.
+            out = _LowLevelLinear.apply(x, weight, recipe.name)
+        elif not torch.compiler.is_compiling():
             out = _gemm(api, x, weight, recipe.name)
         elif api.low_level:
             out = _LowLevelLinear.apply(x, weight, recipe.name)
@@ -411,13 +444,23 @@ def _quantize(ops: _LowLevelOps, t: torch.Tensor, dtype: torch.dtype, axis: int 
     return ops.quantize_rowwise(t.contiguous(), dtype, axis, None)
 
 
+def _weight_operand(ops: _LowLevelOps, weight: torch.Tensor, dtype: torch.dtype, axis: int | None):
+    """The forward FP8 weight and its scale_inv: the one FSDP2 gathered (the same cast:
+    quantize_fp8_* computes ``scale_inv = 1.0f / scale``, csrc/pytorch/quantization), or quantized here."""
+    if isinstance(weight, Fp8GatheredWeight):
+        return weight.fp8_data(), weight.scale_inv()
+    return _quantize(ops, weight, dtype, axis)
+
+
 def _column_copy(ops: _LowLevelOps, t, q, scale_inv, dtype, row_axis: int, col_axis: int):
     source = t if ops.dequantize_rowwise is None else ops.dequantize_rowwise(q, scale_inv, row_axis, t.dtype)
     return _quantize(ops, source, dtype, col_axis)
 
 
 class _LowLevelLinear(torch.autograd.Function):
-    """x [M, K] @ weight [N, K].T on Primus-Turbo's low-level ops."""
+    """x [M, K] @ weight [N, K].T on Primus-Turbo's low-level ops; ``weight`` may be one FSDP2
+    gathered in FP8 (then only x is quantized, and rowwise backward re-quantizes the gathered
+    copy dequantized, as it does its own forward copy)."""
 
     @staticmethod
     def forward(ctx, x, weight, recipe: str):
@@ -427,7 +470,7 @@ class _LowLevelLinear(torch.autograd.Function):
         row, col = (-1, -2) if rowwise else (None, None)
         granularity, backend, out_dtype = ops.granularity[recipe], ops.dense_backend[recipe], _gemm_out_dtype(x.dtype)
         xq, sx = _quantize(ops, x, fwd, row)
-        wq, sw = _quantize(ops, weight, fwd, row)
+        wq, sw = _weight_operand(ops, weight, fwd, row)
         out = ops.gemm(xq, sx, False, wq, sw, True, out_dtype, False, granularity, backend)
         if rowwise:
             xq, sx = _column_copy(ops, x, xq, sx, fwd, row, col)
