@@ -41,8 +41,8 @@ def test_routing_per_tag_and_device(version, arch, op, monkeypatch):
     assert blockwise.backend_name == "primus_turbo"
     assert blockwise.recipe.definition == ("primus_turbo" if version >= "v0.3.1" else "primus_turbo_v0.2")
     assert blockwise.recipe.e4m3 == (torch.float8_e4m3fnuz if arch == "gfx942" else torch.float8_e4m3fn)
-    mx = tp.select_backend(op, "mxfp8", arch, "primus_turbo", k=256, n=256) if (version, arch) == ("v0.4.0", "gfx950") else None
-    if mx is not None:
+    if (version, arch) == ("v0.4.0", "gfx950"):
+        mx = tp.select_backend(op, "mxfp8", arch, "primus_turbo", k=256, n=256)
         assert mx.backend_name == "primus_turbo" and mx.recipe.definition == "primus_turbo"
         assert mx.recipe.block_scale.rounding == "even"
         return
@@ -58,7 +58,8 @@ def test_configs_per_tag(version, monkeypatch):
     install(monkeypatch, version, "gfx950")
     lp, configs = low_precision(), tp.registry.get_backend("primus_turbo")._api.configs
     blockwise = configs["blockwise"]
-    assert (blockwise.format, blockwise.granularity, blockwise.block_size) == (lp.Format.E4M3, lp.ScalingGranularity.BLOCKWISE, 128)
+    assert (blockwise.format, blockwise.granularity, blockwise.block_size) == (
+        lp.Format.E4M3, lp.ScalingGranularity.BLOCKWISE, 128)
     if version != "v0.4.0":
         assert "mxfp8" not in configs
         return
@@ -115,7 +116,8 @@ def test_double_gemm_assertions(monkeypatch):
     lens = torch.tensor([40, 24])
     mx = lp.Float8QuantConfig(granularity=lp.ScalingGranularity.MX_BLOCKWISE, scale_dtype=lp.ScaleDtype.E8M0, block_size=32)
     with pytest.raises(AssertionError, match="trans_b=True"):
-        turbo.ops.grouped_gemm_fp8(a, w.transpose(-2, -1).contiguous(), lens, trans_b=False, out_dtype=torch.bfloat16, config=mx)
+        turbo.ops.grouped_gemm_fp8(a, w.transpose(-2, -1).contiguous(), lens, trans_b=False,
+                                   out_dtype=torch.bfloat16, config=mx)
     with pytest.raises(AssertionError, match="trans_b has to be True"):
         turbo.ops.gemm_fp8(a, w[0].t().contiguous(), trans_b=False, out_dtype=torch.bfloat16, config=mx)
     block64 = lp.Float8QuantConfig(format=lp.Format.E4M3, granularity=lp.ScalingGranularity.BLOCKWISE, block_size=64)
@@ -179,8 +181,8 @@ def test_grouped_matches_the_emulation(version, arch, recipe, layout, monkeypatc
     B_t = weights.transpose(-2, -1)
     B_t = B_t if layout == "transposed_view" else B_t.contiguous()
     grad = torch.randn(A.shape[0], 256, generator=g)
-    turbo = run_grouped(lambda A, B_t, offs: decision.backend.grouped_mm(A, B_t, offs, decision.recipe), A, B_t, offs, grad)
-    emulated = run_grouped(lambda A, B_t, offs: EmulatedBackend().grouped_mm(A, B_t, offs, decision.recipe), A, B_t, offs, grad)
+    turbo = run_grouped(lambda *args: decision.backend.grouped_mm(*args, decision.recipe), A, B_t, offs, grad)
+    emulated = run_grouped(lambda *args: EmulatedBackend().grouped_mm(*args, decision.recipe), A, B_t, offs, grad)
     assert all(db >= 40 for db in sqnrs(emulated, turbo)), sqnrs(emulated, turbo)
     vs_fp32 = sqnrs(reference_grouped(A, weights.transpose(-2, -1), offs, grad), turbo)
     assert all(20 < db < 45 for db in vs_fp32), vs_fp32

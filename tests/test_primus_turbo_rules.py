@@ -150,9 +150,9 @@ def test_v030_tensorwise_grouped_is_refused(monkeypatch):
     out = turbo.ops.grouped_gemm_fp8(A, W, torch.tensor([30, 10]), config=load_api().configs["tensorwise"])
     with pytest.warns(UserWarning, match="fallback backend HIPBLASLT"):
         out.sum().backward()
-    decision = tp.select_backend("grouped_mm", "tensorwise", "gfx942")
-    assert decision.backend_name != "primus_turbo"
-    assert "hipBLASLt" in dict(decision.passed_over)["primus_turbo"]
+    # No other backend runs tensorwise grouped GEMMs on gfx942: refused with the reason.
+    with pytest.raises(tp.BackendUnavailableError, match="primus_turbo: Primus-Turbo v0.3.0 .* hipBLASLt"):
+        tp.select_backend("grouped_mm", "tensorwise", "gfx942")
     assert tp.select_backend("linear", "tensorwise", "gfx942").backend_name == "primus_turbo"
 
 

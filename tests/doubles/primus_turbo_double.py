@@ -21,8 +21,9 @@ file it comes from (paths at the tag named; ``ops/`` is ``primus_turbo/pytorch/o
   v0.3.1 (``default_backend=CK`` in ``ops/gemm_fp8.py``); v0.4.0 defaults to Triton.
 - Triton grouped GEMM (default from v0.3.1, ``ops/grouped_gemm_fp8.py``): the kernel states
   ``tl.assume(loop_k > 1)`` with BLOCK_SIZE_K 128 (``primus_turbo/triton/grouped_gemm/
-  grouped_gemm_fp8_kernel.py``): a contraction dim under 256 is undefined behaviour there; the
-  double raises instead of returning garbage.
+  grouped_gemm_fp8_kernel.py``; the BLOCKWISE kernel ``_grouped_blockwise_fp8_persistent_gemm_kernel``
+  states it too, the v0.4.0 MX one does not): a contraction dim under 256 is undefined behaviour
+  there; the double raises instead of returning garbage.
 - Grouped output rows past ``group_offs[-1]`` are ``torch.empty`` garbage before v0.4.0 (NaN here);
   v0.4.0 zeroes them (``kernels/grouped_gemm/grouped_gemm_fp8_impl.py``,
   ``grouped_gemm_output_tail_kernel``).
