@@ -77,7 +77,7 @@ def test_explicit_unavailable_backend_is_a_clear_error():
         ("sm90", "grouped_mm", "tensorwise", "only the rowwise recipe"),  # TorchAO: rowwise grouped only
         ("gfx90a", "linear", "rowwise", "no FP8 units"),  # MI250
         ("sm80", "linear", "tensorwise", "no FP8 units"),  # A100
-        ("gfx942", "linear", "mxfp8", "SM100"),  # no MX hardware (and Primus-Turbo not wired for it)
+        ("gfx942", "linear", "mxfp8", "SM100"),  # no MX hardware (Primus-Turbo runs MX on gfx950 only)
         ("sm90", "linear", "mxfp8", "SM100"),
         ("sm90", "grouped_mm", "blockwise", "DeepGEMM"),
         ("sm100", "linear", "blockwise", "SM90 only"),

@@ -21,8 +21,9 @@ file it comes from (paths at the tag named; ``ops/`` is ``primus_turbo/pytorch/o
   v0.3.1 (``default_backend=CK`` in ``ops/gemm_fp8.py``); v0.4.0 defaults to Triton.
 - Triton grouped GEMM (default from v0.3.1, ``ops/grouped_gemm_fp8.py``): the kernel states
   ``tl.assume(loop_k > 1)`` with BLOCK_SIZE_K 128 (``primus_turbo/triton/grouped_gemm/
-  grouped_gemm_fp8_kernel.py``): a contraction dim under 256 is undefined behaviour there; the
-  double raises instead of returning garbage.
+  grouped_gemm_fp8_kernel.py``; the BLOCKWISE kernel ``_grouped_blockwise_fp8_persistent_gemm_kernel``
+  states it too, the v0.4.0 MX one does not): a contraction dim under 256 is undefined behaviour
+  there; the double raises instead of returning garbage.
 - Grouped output rows past ``group_offs[-1]`` are ``torch.empty`` garbage before v0.4.0 (NaN here);
   v0.4.0 zeroes them (``kernels/grouped_gemm/grouped_gemm_fp8_impl.py``,
   ``grouped_gemm_output_tail_kernel``).
@@ -37,9 +38,17 @@ file it comes from (paths at the tag named; ``ops/`` is ``primus_turbo/pytorch/o
   registered under a namespace per release (``primus_turbo_double_v0_4_0::gemm_fp8_impl``...);
   the adapter finds them as upstream does, at ``primus_turbo.pytorch.kernels...``.
 
+- Block-scaled GEMMs (``_BlockGemm`` / ``_BlockGroupedGemm`` below, with their own quantizer):
+  BLOCKWISE at every tag (``ops/gemm_fp8.py`` ``FP8GemmBlockFunction``, ``ops/grouped_gemm_fp8.py``
+  ``FP8GroupedGemmBlockFunc``; quantizers ``primus_turbo/triton/quantization/quant_blockwise.py``)
+  and MX_BLOCKWISE as v0.4.0 implements it (``FP8GemmMXFunction``, ``FP8GroupedGemmMXFunc``;
+  E8M0 scales from ``csrc/kernels/quantization/quantization_mxfp8.cu`` ``compute_tile_scale``).
+
 Not modelled: the GPU (``group_lens.is_cuda`` is not asserted), the public ops' pre-quantized
 inputs (``QuantizedTensor``, v0.3.1+; a pre-quantized operand reaches the low-level GEMM op only),
-BLOCKWISE/MX, the gfx950 NT-layout backward copies (same numerics).
+the gfx950 NT-layout backward copies (same numerics), MX GEMMs before v0.4.0 (other
+definitions; titan-primus does not route them), the block GEMMs' own kernel tiling (the double
+multiplies dequantized operands in float32).
 """
 
 from __future__ import annotations
@@ -92,12 +101,27 @@ BackendType = enum.Enum("BackendType", "CK HIPBLASLT AITER TRITON DEEP_EP TURBO 
 """``core/backend.py``: v0.3.0 and v0.3.1 end at TURBO, v0.4.0 appends FLYDSL (same values)."""
 
 
+def _check_block_config(config) -> None:
+    """``Float8QuantConfig.__post_init__`` (``core/low_precision.py``; v0.2.0 has no scale_dtype)."""
+    if config.granularity == ScalingGranularity.BLOCKWISE:
+        assert config.block_size is not None, "block_size must be set when granularity is BLOCKWISE"
+    if config.granularity == ScalingGranularity.MX_BLOCKWISE:
+        assert config.block_size in [32], "block_size should be [32] when granularity is MX_BLOCKWISE"
+        if hasattr(config, "scale_dtype"):  # v0.3.0+
+            assert config.scale_dtype == ScaleDtype.E8M0, (
+                f"scale_dtype should be {ScaleDtype.E8M0} when granularity is MX_BLOCKWISE"
+            )
+
+
 @dataclass
 class Float8QuantConfigV020:
     format: Format = Format.E4M3
     granularity: ScalingGranularity = ScalingGranularity.TENSORWISE
     strategy: ScalingStrategy = ScalingStrategy.DYNAMIC
     block_size: int | None = None
+
+    def __post_init__(self):
+        _check_block_config(self)
 
 
 @dataclass
@@ -107,6 +131,9 @@ class Float8QuantConfigV030:
     strategy: ScalingStrategy = ScalingStrategy.DYNAMIC
     scale_dtype: ScaleDtype = ScaleDtype.FP32
     block_size: int | None = None
+
+    def __post_init__(self):
+        _check_block_config(self)
 
 
 class _Release:
@@ -126,6 +153,8 @@ class _Release:
         self.triton_grouped = at_least("v0.3.1")
         self.zeroes_tail = at_least("v0.4.0")
         self.low_level_ops = at_least("v0.3.0")
+        self.mx_v040 = at_least("v0.4.0")
+        self.arch = arch
         fnuz = arch == "gfx942"
         self.e4m3 = torch.float8_e4m3fnuz if fnuz else torch.float8_e4m3fn
         self.e5m2 = torch.float8_e5m2fnuz if fnuz else torch.float8_e5m2
@@ -252,15 +281,20 @@ def _check_grouped_operands(release: _Release, a, b, out_dtype, contraction: int
         raise _no_backend("GroupedGEMMFP8KernelDispatcher", out_dtype=out_dtype)
     # ops/grouped_gemm_fp8.py (v0.4.0): "Custom grouped GEMM kernels expect dense layouts."
     _check(a.is_contiguous() and b.is_contiguous(), "a and b are contiguous", " (grouped GEMM kernels expect dense layouts)")
-    if release.triton_grouped and contraction is not None and contraction < 256:
-        raise RuntimeError(
-            f"TEST DOUBLE: the Triton grouped FP8 kernel assumes loop_k > 1 (tl.assume, BLOCK_SIZE_K 128); "
-            f"contraction dim {contraction} < 256 is undefined behaviour on the real kernel"
-        )
+    if contraction is not None:
+        _check_triton_loop_k(release, contraction)
     if release.version == "v0.3.0" and a.dtype != b.dtype:
         warnings.warn(
             "For inputs: mixed FP8 dtypes, the default backend is not compatible, fallback backend "
             "HIPBLASLT is selected. The fallback backend may hurt performance!"
+        )
+
+
+def _check_triton_loop_k(release: _Release, contraction: int) -> None:
+    if release.triton_grouped and contraction < 256:
+        raise RuntimeError(
+            f"TEST DOUBLE: the Triton grouped FP8 kernel assumes loop_k > 1 (tl.assume, BLOCK_SIZE_K 128); "
+            f"contraction dim {contraction} < 256 is undefined behaviour on the real kernel"
         )
 
 
@@ -313,8 +347,8 @@ def _dtypes(release: _Release, config):
 
 
 def _check_config(release: _Release, config, op: str):
-    if config.granularity not in (ScalingGranularity.TENSORWISE, ScalingGranularity.ROWWISE):
-        raise NotImplementedError("the double models TENSORWISE and ROWWISE only")
+    if release.legacy and config.granularity in _BLOCK_GRANULARITIES:
+        raise NotImplementedError("TEST DOUBLE: v0.1.x block-scaled GEMMs are not modelled")
     if release.legacy and config.granularity == ScalingGranularity.ROWWISE:
         raise ValueError(f"Unsupported granularity {config.granularity}")  # v0.1.1 ops/gemm_fp8.py
     if config.format == Format.HYBRID and not release.hybrid_everywhere:
@@ -405,6 +439,150 @@ class _GroupedGemm(torch.autograd.Function):
         grad_b = _grouped_variable_k_kernel(release, aq, gq, sa, sg, group_lens, group_offs, True, False,
                                             ctx.trans_b, ctx.out_dtype, config.granularity.value)
         return grad_a, grad_b, None, None, None, None, None, None
+
+
+# ---- block-scaled GEMMs: BLOCKWISE (every tag) and MX_BLOCKWISE (v0.4.0) ---------------------------
+
+_BLOCK_GRANULARITIES = (ScalingGranularity.BLOCKWISE, ScalingGranularity.MX_BLOCKWISE)
+_BLOCKWISE_AMAX_FLOOR = 1e-4
+"""``quant_blockwise.py`` (v0.2.0-v0.4.0): ``amax = tl.maximum(amax, 1e-4)`` before FP8_MAX / amax."""
+_MX_E4M3_MAX_POW2 = 8
+"""``quantization_mxfp8.cu``: FP8E4M3_TARGET_MAX_POW2 (448 = 1.75 * 2**8)."""
+
+
+def _block_quantize(x: torch.Tensor, rows: int, cols: int, dtype: torch.dtype, mx: bool):
+    """``x`` [R, C] in (rows, cols) tiles from index 0, the last partial tile zero-padded (the
+    Triton / FlyDSL quantizers load with masks, other=0). Returns (payload [R, C], the float32
+    value each tile's payload is multiplied by [ceil(R/rows), ceil(C/cols)])."""
+    R, C = x.shape
+    nr, nc = -(-R // rows), -(-C // cols)
+    tiles = torch.nn.functional.pad(x.float(), (0, nc * cols - C, 0, nr * rows - R)).reshape(nr, rows, nc, cols)
+    amax = tiles.abs().amax(dim=(1, 3))
+    fp8_max = torch.finfo(dtype).max
+    if mx:
+        # compute_tile_scale: round amax's float32 bits at e4m3's 3 mantissa bits (+ 1 << 19),
+        # take the biased exponent, subtract 127 + 8, clamp to [-127, 128]; payload x * (1 / 2**e).
+        biased = torch.bitwise_right_shift(amax.view(torch.int32) + (1 << 19), 23) & 0x1FF
+        e = (biased - 127 - _MX_E4M3_MAX_POW2).clamp(-127, 128).float()
+        scale_inv, scale = torch.exp2(e), torch.exp2(-e)
+    else:
+        # compute_scale_and_quant: float32 FP8_MAX / max(amax, 1e-4), scale_inv = 1.0 / scale.
+        scale = torch.full_like(amax, fp8_max) / torch.clamp(amax, min=_BLOCKWISE_AMAX_FLOOR)
+        scale_inv = torch.ones_like(scale) / scale
+    q = (tiles * scale[:, None, :, None]).clamp(-fp8_max, fp8_max).to(dtype)
+    return q.reshape(nr * rows, nc * cols)[:R, :C], scale_inv
+
+
+def _block_dequantized(x: torch.Tensor, rows: int, cols: int, dtype: torch.dtype, mx: bool) -> torch.Tensor:
+    """What a block-scaled GEMM multiplies: each tile's payload times its scale_inv, float32."""
+    KERNEL_CALLS["quantize_fp8_mx" if mx else "quantize_fp8_blockwise"] += 1
+    q, scale_inv = _block_quantize(x, rows, cols, dtype, mx)
+    R, C = x.shape
+    expanded = scale_inv.repeat_interleave(rows, 0)[:R].repeat_interleave(cols, 1)[:, :C]
+    return q.float() * expanded
+
+
+def _segment_dequantized(x_t: torch.Tensor, group_offs, block: int, dtype, mx: bool) -> torch.Tensor:
+    """``x_t`` [C, tokens] in 1 x ``block`` tiles along the tokens, restarting at each group: the
+    column-wise casts of a grouped wgrad pad every group ("segment") to the block
+    (``quant_fp8_blockwise_segment_m_*`` for BLOCKWISE, ``grouped_quantize_fp8_with_trans`` for MX)."""
+    out = torch.zeros(x_t.shape, dtype=torch.float32)
+    for s, e in _group_bounds(group_offs):
+        if e > s:
+            out[:, s:e] = _block_dequantized(x_t[:, s:e], 1, block, dtype, mx)
+    return out
+
+
+def _block_sizes(config) -> tuple[int, int, bool]:
+    """(activation tile, weight block side, MX?): BLOCKWISE 1x128 / 128x128; MX 1x32 / 32x32
+    (v0.4.0 ``ScalingRecipe(use_2d_block=True)`` for B)."""
+    mx = config.granularity == ScalingGranularity.MX_BLOCKWISE
+    return config.block_size, config.block_size, mx
+
+
+def _check_mx(release: _Release, what: str) -> None:
+    # core/low_precision.py check_mxfp8_support: compute capability >= (9, 5), i.e. gfx950.
+    if release.arch != "gfx950":
+        raise AssertionError("Device compute capability gfx950 or higher required for MXFP8 execution.")
+    if not release.mx_v040:
+        raise NotImplementedError(f"TEST DOUBLE: models v0.4.0's MX {what} only (this is {release.version})")
+
+
+class _BlockGemm(torch.autograd.Function):
+    """FP8GemmBlockFunction / FP8GemmMXFunction (ops/gemm_fp8.py), NT layout: a [M, K], b [N, K].
+    Every operand of every GEMM is cast from the high-precision tensor (BLOCKWISE at every tag;
+    MX at v0.4.0 via quantize_mxfp8_flydsl_impl's dual cast); the weight's square blocks serve
+    both the output and the grad_input GEMM."""
+
+    @staticmethod
+    def forward(ctx, a, b, out_dtype, config, release: _Release):
+        tile, side, mx = _block_sizes(config)
+        dtype = release.e4m3  # Format.E4M3: e4m3 forward and backward
+        KERNEL_CALLS["gemm_fp8_mx" if mx else "gemm_fp8_blockwise"] += 1
+        _check_16_bit(out_dtype)
+        out = _block_dequantized(a, 1, tile, dtype, mx) @ _block_dequantized(b, side, side, dtype, mx).t()
+        ctx.save_for_backward(a, b)
+        ctx.sizes, ctx.dtype, ctx.out_dtype = (tile, side, mx), dtype, out_dtype
+        return out.to(out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        (tile, side, mx), dtype = ctx.sizes, ctx.dtype
+        KERNEL_CALLS["gemm_fp8_mx" if mx else "gemm_fp8_blockwise"] += 2
+        grad = grad.contiguous()
+        grad_a = _block_dequantized(grad, 1, tile, dtype, mx) @ _block_dequantized(b, side, side, dtype, mx)
+        # wgrad contracts over M: grad_out^T [N, M] and a^T [K, M] in 1 x tile tiles along M.
+        grad_b = _block_dequantized(grad.t(), 1, tile, dtype, mx) @ _block_dequantized(a.t(), 1, tile, dtype, mx).t()
+        return grad_a.to(ctx.out_dtype), grad_b.to(ctx.out_dtype), None, None, None
+
+
+class _BlockGroupedGemm(torch.autograd.Function):
+    """FP8GroupedGemmBlockFunc (ops/grouped_gemm_fp8.py, every tag) / FP8GroupedGemmMXFunc (v0.4.0):
+    a [rows, K] in row tiles; b per expert in square blocks; wgrad tiles along each group's tokens."""
+
+    @staticmethod
+    def forward(ctx, a, b, group_lens, group_offs, trans_b, out_dtype, config, release: _Release):
+        tile, side, mx = _block_sizes(config)
+        dtype = release.e4m3
+        KERNEL_CALLS["grouped_gemm_fp8_mx" if mx else "grouped_gemm_fp8_blockwise"] += 1
+        _check_groups(group_lens, group_offs, b.shape[0])
+        _check_16_bit(out_dtype)
+        B = _logical(b, not trans_b)  # [G, N, K]
+        _check(a.shape[1] == B.shape[2], "K mismatch", f": a {tuple(a.shape)}, b {tuple(b.shape)}, trans_b={trans_b}")
+        if not mx:  # _grouped_blockwise_fp8_persistent_gemm_kernel: tl.assume(loop_k > 1) (v0.3.1+)
+            for contraction in (a.shape[1], B.shape[1]):  # K forward, N dgrad
+                _check_triton_loop_k(release, contraction)
+        a_deq = _block_dequantized(a, 1, tile, dtype, mx)
+        out = torch.full((a.shape[0], B.shape[1]), 0.0 if release.zeroes_tail else float("nan"))
+        for g, (s, e) in enumerate(_group_bounds(group_offs)):
+            out[s:e] = a_deq[s:e] @ _block_dequantized(B[g], side, side, dtype, mx).t()
+        ctx.save_for_backward(a, b, group_offs)
+        ctx.sizes, ctx.dtype, ctx.out_dtype, ctx.trans_b, ctx.release = (tile, side, mx), dtype, out_dtype, trans_b, release
+        return out.to(out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b, group_offs = ctx.saved_tensors
+        (tile, side, mx), dtype = ctx.sizes, ctx.dtype
+        KERNEL_CALLS["grouped_gemm_fp8_mx" if mx else "grouped_gemm_fp8_blockwise"] += 2
+        grad = grad.contiguous()
+        B = _logical(b, not ctx.trans_b)  # [G, N, K]
+        g_deq = _block_dequantized(grad, 1, tile, dtype, mx)
+        grad_a = torch.full(a.shape, 0.0 if ctx.release.zeroes_tail else float("nan"))
+        g_t = _segment_dequantized(grad.t(), group_offs, tile, dtype, mx)
+        a_t = _segment_dequantized(a.t(), group_offs, tile, dtype, mx)
+        grad_B = torch.zeros(B.shape)
+        for g, (s, e) in enumerate(_group_bounds(group_offs)):
+            grad_a[s:e] = g_deq[s:e] @ _block_dequantized(B[g], side, side, dtype, mx)
+            grad_B[g] = g_t[:, s:e] @ a_t[:, s:e].t()
+        grad_b = _logical(grad_B, not ctx.trans_b).contiguous()
+        return grad_a.to(ctx.out_dtype), grad_b.to(ctx.out_dtype), None, None, None, None, None, None
+
+
+def _check_16_bit(out_dtype) -> None:
+    # ops/gemm_fp8.py, ops/grouped_gemm_fp8.py: assert out_dtype in [torch.float16, torch.bfloat16]
+    assert out_dtype in _SIXTEEN_BIT, f"out_dtype must be fp16 or bf16, got {out_dtype}"
 
 
 # ---- the low-level custom ops, with fake implementations (v0.3.0+) ---------------------------------
@@ -564,10 +742,15 @@ def _build(version: str, arch: str) -> tuple[_Api, dict[str, types.ModuleType], 
         assert b.ndim == 2, "Only 2D tensors are supported"
         config = config or Float8QuantConfig()
         _check_config(release, config, "gemm")
-        if config.granularity == ScalingGranularity.ROWWISE:
+        if config.granularity in (ScalingGranularity.ROWWISE, ScalingGranularity.BLOCKWISE):
             assert trans_a == False, "trans_a has to be False"  # noqa: E712  (upstream's wording)
+        if config.granularity == ScalingGranularity.MX_BLOCKWISE:
+            _check_mx(release, "dense GEMM")
+            assert trans_a == False and trans_b == True, "trans_a has to be False and trans_b has to be True"  # noqa: E712
         assert not trans_a and trans_b, "TEST DOUBLE: models the NT layout (trans_a=False, trans_b=True) only"
         out_dtype = out_dtype or torch.promote_types(a.dtype, b.dtype)
+        if config.granularity in _BLOCK_GRANULARITIES:
+            return _BlockGemm.apply(a, b, out_dtype, config, release)
         return _Gemm.apply(a, b, out_dtype, config, release)
 
     def grouped_impl(a, b, group_lens, group_offs, trans_b, out_dtype, config):
@@ -578,6 +761,15 @@ def _build(version: str, arch: str) -> tuple[_Api, dict[str, types.ModuleType], 
             group_offs = torch.cat([group_lens.new_zeros(1), torch.cumsum(group_lens, 0)])
         config = config or Float8QuantConfig()
         _check_config(release, config, "grouped")
+        if config.granularity == ScalingGranularity.BLOCKWISE:
+            assert config.block_size in [128], "Only block_size 128 is supported currently."
+        if config.granularity == ScalingGranularity.MX_BLOCKWISE:
+            if not release.mx_v040:  # v0.2.0-v0.3.1 grouped_gemm_fp8 dispatches no MX granularity
+                raise ValueError(f"Unsupported FP8 ScalingGranularity: {config.granularity}")
+            _check_mx(release, "grouped GEMM")
+            assert trans_b, "MXFP8 grouped GEMM only supports trans_b=True (NT layout)."
+        if config.granularity in _BLOCK_GRANULARITIES:
+            return _BlockGroupedGemm.apply(a, b, group_lens, group_offs, trans_b, out_dtype, config, release)
         return _GroupedGemm.apply(a, b, group_lens, group_offs, trans_b, out_dtype, config, release)
 
     if not release.backward_from_fp8:

@@ -14,6 +14,10 @@ Recipe mapping (titan-primus name -> ``Float8QuantConfig``):
   HYBRID for tensorwise GEMMs, so there tensorwise routes elsewhere.
 - ``rowwise`` -> ``format=E4M3, granularity=ROWWISE``.
 - ``rowwise_with_gw_hp`` has no Primus-Turbo equivalent (every Primus-Turbo wgrad is FP8).
+- ``blockwise`` -> ``format=E4M3, granularity=BLOCKWISE, block_size=128`` (every tag).
+- ``mxfp8`` -> ``format=E4M3, granularity=MX_BLOCKWISE, scale_dtype=E8M0, block_size=32``, v0.4.0
+  only and gfx950 only (docs/recipes-blocked.md: earlier tags have no grouped MX GEMM and run
+  other MX definitions; ``check_mxfp8_support`` asserts gfx950).
 
 The kernels' own limits, per release, become ``supports`` verdicts (so routing picks the next
 backend, with the reason): every FP8 GEMM writes bf16/fp16 only; rowwise dense GEMMs run on CK
@@ -30,9 +34,9 @@ Two execution paths (``execution_paths`` says which one each op takes):
   with fake implementations, so it traces into the graph: three FP8 GEMMs per op per step, and
   the FP8 operands and their scales are what backward keeps. The public ops are
   ``torch._dynamo.disable``d from v0.3.1 (a hard error in a fullgraph block).
-- under ``torch.compile`` at v0.2.0 (no low-level GEMM ops): the public ops wrapped in
-  titan-primus custom ops; their backward re-runs the forward under autograd (four FP8 GEMMs per
-  op per step, bf16 inputs saved).
+- under ``torch.compile`` at v0.2.0 (no low-level GEMM ops), and for ``mxfp8`` / ``blockwise``
+  at every tag: the public ops wrapped in titan-primus custom ops; their backward re-runs the
+  forward under autograd (four FP8 GEMMs per op per step, bf16 inputs saved).
 
 A linear weight FSDP2 all-gathered in FP8 (``enable_fsdp_float8_all_gather``; tensorwise from
 v0.3.0, rowwise from v0.3.1) takes the low-level path, eager or compiled: ``gemm_fp8_impl``
@@ -54,7 +58,7 @@ import torch
 from ..device import DeviceProfile
 from ..fsdp_fp8 import Fp8GatheredWeight
 from ..grouping import group_lens, zero_trailing_rows
-from ..recipes import Fp8Recipe, has_definition, make_recipe
+from ..recipes import RECIPE_NAMES, Fp8Recipe, has_definition, make_recipe
 from .base import Fp8Backend, Op, Verdict
 
 __all__ = ["PrimusTurboBackend", "CONFIG_MODULES", "OPS_MODULE", "LOW_LEVEL_OPS", "load_api"]
@@ -72,6 +76,11 @@ _ALIGNMENT = 16
 _CK_ALIGNMENT = 32
 _TRITON_GROUPED_MIN_K = 256
 _QUANT = {"tensorwise": ("HYBRID", "TENSORWISE"), "rowwise": ("E4M3", "ROWWISE")}
+_BLOCKWISE_SIZE = 128
+_BLOCK_RECIPES = ("mxfp8", "blockwise")
+_MX_SIZE = 32
+_MX_MIN_RELEASE = "v0.4.0"
+_MX_K_ALIGNMENT = 128
 INSTALL_HINT = "build it from source against ROCm (github.com/AMD-AGI/Primus-Turbo)"
 
 
@@ -202,6 +211,7 @@ def _load_api_uncached() -> _TurboApi:
     if low_level and release == "v0.3.1" and "group_offs_out" in _schema_arguments(low_level.grouped):
         release = "v0.4.0"
         low_level = _load_low_level(config_module, release)
+    configs.update(_block_configs(config_module, release))
     return _TurboApi(
         release=release,
         gemm_fp8=turbo.ops.gemm_fp8,
@@ -211,6 +221,40 @@ def _load_api_uncached() -> _TurboApi:
         float8_e5m2=turbo.float8_e5m2,
         low_level=low_level,
     )
+
+
+def _block_configs(config_module: ModuleType, release: str) -> dict:
+    """The ``Float8QuantConfig`` of each block-scaled recipe this release runs (its
+    ``__post_init__`` asserts block_size for BLOCKWISE, and block 32 with E8M0 for MX_BLOCKWISE)."""
+    Float8QuantConfig, Format = config_module.Float8QuantConfig, config_module.Format
+    granularity = config_module.ScalingGranularity
+    configs = {"blockwise": Float8QuantConfig(format=Format.E4M3, granularity=granularity.BLOCKWISE,
+                                              block_size=_BLOCKWISE_SIZE)}
+    if _version_key(release) >= _version_key(_MX_MIN_RELEASE):
+        configs["mxfp8"] = Float8QuantConfig(format=Format.E4M3, granularity=granularity.MX_BLOCKWISE,
+                                             scale_dtype=config_module.ScaleDtype.E8M0, block_size=_MX_SIZE)
+    return configs
+
+
+def _block_refusal(recipe: str, device: DeviceProfile, release: str, k: int | None, n: int | None) -> str | None:
+    """Why Primus-Turbo ``release`` cannot run block-scaled ``recipe`` here, or None
+    (docs/recipes-blocked.md has the upstream rules per tag)."""
+    if recipe == "mxfp8":
+        if _version_key(release) < _version_key(_MX_MIN_RELEASE):
+            return (f"Primus-Turbo {release} has no grouped MX GEMM and its dense MX GEMM runs another definition "
+                    f"(1x32 weights or backward from dequantized copies); upgrade Primus-Turbo to >= {_MX_MIN_RELEASE}")
+        if device.arch != "gfx950":
+            return (f"Primus-Turbo's MX GEMMs need MX hardware (check_mxfp8_support: gfx950 or newer); "
+                    f"this is {device.arch}; use recipe 'blockwise' here")
+        dims = (("K", k, _MX_K_ALIGNMENT), ("N", n, _ALIGNMENT))
+        rule = f"K divisible by {_MX_K_ALIGNMENT} (its hipBLASLt MX path) and N by {_ALIGNMENT}"
+    else:
+        dims = (("K", k, _BLOCKWISE_SIZE), ("N", n, _BLOCKWISE_SIZE))
+        rule = f"K and N divisible by its {_BLOCKWISE_SIZE} block"
+    bad = [f"{name}={dim}" for name, dim, multiple in dims if dim is not None and dim % multiple]
+    if bad:
+        return f"Primus-Turbo's {recipe} GEMMs need {rule} ({', '.join(bad)})"
+    return None
 
 
 _LOADED: list = []
@@ -248,6 +292,7 @@ def _gemm_out_dtype(dtype: torch.dtype) -> torch.dtype:
 
 class PrimusTurboBackend(Fp8Backend):
     name = "primus_turbo"
+    recipes = RECIPE_NAMES  # rowwise_with_gw_hp is refused in supports(), with the reason
 
     def __init__(self):
         _LOADED.clear()  # a fresh backend (registry.refresh) reads the environment anew
@@ -289,6 +334,10 @@ class PrimusTurboBackend(Fp8Backend):
                 "back to one hipBLASLt launch per expert reading group_lens on the host; upgrade Primus-Turbo "
                 "to >= v0.3.1 or use recipe 'rowwise'"
             )
+        if recipe in _BLOCK_RECIPES:
+            refusal = _block_refusal(recipe, device, api.release, k, n)
+            if refusal:
+                return Verdict.no(refusal)
         bad = [f"{name}={dim}" for name, dim in (("K", k), ("N", n)) if dim is not None and dim % _ALIGNMENT]
         if bad:
             return Verdict.no(f"Primus-Turbo's FP8 GEMMs need K and N divisible by {_ALIGNMENT} ({', '.join(bad)})")
@@ -302,7 +351,9 @@ class PrimusTurboBackend(Fp8Backend):
                     f"dim (K forward, N dgrad) divisible by {_CK_ALIGNMENT} ({', '.join(bad)}); "
                     f"Primus-Turbo >= v0.4.0 runs them on Triton"
                 )
-        if op == "grouped_mm" and api.triton_grouped:
+        # The tensorwise, rowwise and blockwise Triton grouped kernels state it; v0.4.0's MX one
+        # (_grouped_mxfp8_persistent_gemm_kernel in triton/grouped_gemm/grouped_gemm_fp8_kernel.py) does not.
+        if op == "grouped_mm" and api.triton_grouped and recipe != "mxfp8":
             small = [f"{name}={dim}" for name, dim in (("K", k), ("N", n)) if dim is not None and dim < _TRITON_GROUPED_MIN_K]
             if small:
                 return Verdict.no(
@@ -338,7 +389,9 @@ class PrimusTurboBackend(Fp8Backend):
         else:
             compiled = (f"the public ops inside a titan-primus custom op (Primus-Turbo {api.release} has no "
                         f"low-level GEMM ops): backward re-runs the forward, 4 FP8 GEMMs per op, bf16 inputs saved")
-        return {"eager": public, "compiled": compiled}
+        blocked = ("the public ops inside a titan-primus custom op: backward re-runs the forward, "
+                   "4 FP8 GEMMs per op, bf16 inputs saved")
+        return {"eager": public, "compiled": compiled, "compiled, mxfp8 / blockwise": blocked}
 
     def takes_gathered_fp8_weight(self, recipe: Fp8Recipe) -> Verdict:
         api = self._api
@@ -371,7 +424,7 @@ class PrimusTurboBackend(Fp8Backend):
             out = _LowLevelLinear.apply(x, weight, recipe.name)
         elif not torch.compiler.is_compiling():
             out = _gemm(api, x, weight, recipe.name)
-        elif api.low_level:
+        elif api.low_level and not recipe.block_scaled:
             out = _LowLevelLinear.apply(x, weight, recipe.name)
         else:
             out = torch.ops.titan_primus.primus_turbo_linear(x, weight, recipe.name)
@@ -386,7 +439,7 @@ class PrimusTurboBackend(Fp8Backend):
         A = zero_trailing_rows(A, offs)
         if not torch.compiler.is_compiling():
             out = _grouped_mm(api, A, B_t, offs, recipe.name)
-        elif api.low_level:
+        elif api.low_level and not recipe.block_scaled:
             out = _LowLevelGroupedMM.apply(A, B_t, offs, recipe.name)
         else:
             out = torch.ops.titan_primus.primus_turbo_grouped_mm(A, B_t, offs, recipe.name)
@@ -412,7 +465,8 @@ def _grouped_mm(api: _TurboApi, A: torch.Tensor, B_t: torch.Tensor, offs: torch.
     if api.at_least("v0.3.1"):
         # A contiguous [E, K, N] B_t is taken as it is (trans_b=False); TorchTitan's transposed
         # view of [E, N, K] weights as its contiguous transpose (trans_b=True): no copy either way.
-        b, trans_b = _b_layout(B_t)
+        # MX grouped GEMMs take the NT layout only (FP8GroupedGemmMXFunc asserts trans_b).
+        b, trans_b = _b_layout(B_t, nt_only=recipe == "mxfp8")
         return api.grouped_gemm_fp8(A, b, group_lens(offs), group_offs=_group_offs(offs), trans_b=trans_b,
                                     out_dtype=torch.bfloat16, config=api.configs[recipe])
     # Before v0.3.1 the output dtype follows A, and A and B must be bf16/fp16.
@@ -421,11 +475,14 @@ def _grouped_mm(api: _TurboApi, A: torch.Tensor, B_t: torch.Tensor, offs: torch.
                                 trans_b=trans_b, config=api.configs[recipe])
 
 
-def _b_layout(B_t: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """(b, trans_b) for a [E, K, N] ``B_t`` without a copy where its layout allows one."""
+def _b_layout(B_t: torch.Tensor, nt_only: bool = False) -> tuple[torch.Tensor, bool]:
+    """(b, trans_b) for a [E, K, N] ``B_t`` without a copy where its layout allows one;
+    ``nt_only``: always trans_b=True ([E, N, K] b), copying where B_t is a contiguous [E, K, N]."""
+    b = B_t.transpose(-2, -1)
+    if nt_only:
+        return b.contiguous(), True
     if B_t.is_contiguous():
         return B_t, False
-    b = B_t.transpose(-2, -1)
     return (b, True) if b.is_contiguous() else (B_t.contiguous(), False)
 
 
