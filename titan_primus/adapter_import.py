@@ -28,7 +28,7 @@ def adapter_import_error(
     missing = error.name or ""
     if missing == "torchtitan":
         return ImportError(f"{adapter} needs TorchTitan {line}, which is not installed: pip install 'titan-primus[{extra}]'")
-    version = _installed_version("torchtitan")
+    version = installed_version("torchtitan") or "of unknown version"
     if missing == line_module or (line_module.startswith(f"{missing}.") and missing.startswith("torchtitan.")):
         return ImportError(
             f"{adapter} is the adapter for TorchTitan {line}, which has {line_module}; the installed "
@@ -40,11 +40,12 @@ def adapter_import_error(
     )
 
 
-def _installed_version(distribution: str) -> str:
+def installed_version(distribution: str) -> str | None:
+    """The installed version of ``distribution``, None when it is not installed."""
     try:
         return metadata.version(distribution)
     except metadata.PackageNotFoundError:
-        return "of unknown version"
+        return None
 
 
 def _where(error: BaseException) -> str:

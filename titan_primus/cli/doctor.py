@@ -11,11 +11,11 @@ from __future__ import annotations
 import json
 import platform
 from datetime import UTC, datetime
-from importlib import metadata
 
 import torch
 
 from .. import __version__, registry
+from ..adapter_import import installed_version
 from ..backends.base import OPS
 from ..device import DeviceProfile, detect_device, device_profile
 from ..recipes import RECIPE_NAMES
@@ -26,13 +26,6 @@ __all__ = ["command", "describe_error", "diagnose", "environment", "profile_dict
 
 # Distribution names as pip knows them (metadata lookups normalise - and _).
 _PACKAGES = ("torch", "torchtitan", "torchao", "primus-turbo")
-
-
-def installed_version(distribution: str) -> str | None:
-    try:
-        return metadata.version(distribution)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def versions() -> dict[str, str | None]:
