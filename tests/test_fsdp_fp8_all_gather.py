@@ -1,13 +1,15 @@
 """FP8 weight all-gather under FSDP2 (enable_fsdp_float8_all_gather): where it applies, that it
 changes no bit of training, how many bytes it saves, and TorchTitan's trainer with it on."""
 
+import os
 import re
+from pathlib import Path
 
 import pytest
 import torch
 from doubles import primus_turbo_double
 from test_distributed import torchrun_script
-from titan_helpers import run_trainer
+from titan_helpers import ROOT, run_trainer
 
 import titan_primus as tp
 from titan_primus.conversion import ConversionOptions, LayerRouter, keep_fp8_cast_rounding_under_inductor
@@ -256,23 +258,29 @@ def test_fp8_all_gather_changes_no_bit_and_halves_weight_traffic(model, recipe, 
     assert amax_reductions[1:] == (["1"] if recipe == "tensorwise" else ["0"]) * (int(steps) - 1), out
 
 
+HERE = Path(__file__).parent
 OVERRIDE = 'titan_primus.torchtitan.overrides.fp8={"recipe": "tensorwise", "enable_fsdp_float8_all_gather": %s%s}'
 FSDP2 = ("--parallelism.data_parallel_shard_degree", "2")
 
 
-def _fp8_run(model, dump, steps, all_gather: bool, *extra, backend="", nproc=2):
+def _fp8_run(model, dump, steps, all_gather: bool, *extra, backend="", nproc=2, full_ac=False):
     options = OVERRIDE % ("true" if all_gather else "false", f', "backend": "{backend}"' if backend else "")
-    return run_trainer(model, f"{model}_debugmodel", dump, steps, "--override.imports", options, *extra, nproc=nproc)
+    overrides = [options] + (["full_activation_checkpointing.full_ac"] if full_ac else [])
+    env = {"PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE)])}  # the override above lives in tests/
+    return run_trainer(model, f"{model}_debugmodel", dump, steps, "--override.imports", *overrides, *extra,
+                       nproc=nproc, env=env)
 
 
 @pytest.mark.trainer
 @pytest.mark.parametrize("model", ["llama3", "deepseek_v3"])
 def test_trainer_with_fp8_all_gather_matches_it_off(model, tmp_path):
-    """TorchTitan's trainer, FSDP2 over 2 ranks (selective activation checkpointing, as the debug
-    configs set it), tensorwise: the option on gives the losses of the option off (printed to 5
-    decimals; the bitwise check is the test above), linears and expert weights FP8-gathered."""
-    on, log = _fp8_run(model, tmp_path / "on", 3, True, *FSDP2)
+    """TorchTitan's trainer, FSDP2 over 2 ranks, tensorwise: the option on, with full activation
+    checkpointing (forward recomputed in backward from the FP8-gathered weights), gives the
+    losses of the option off with the debug configs' selective checkpointing (printed to 5
+    decimals; the bitwise check is the test above); linears and expert weights FP8-gathered."""
+    on, log = _fp8_run(model, tmp_path / "on", 3, True, *FSDP2, full_ac=True)
     off, _ = _fp8_run(model, tmp_path / "off", 3, False, *FSDP2)
+    assert "Applied FullAC activation checkpointing" in log
     assert "linears: FSDP2 weight all-gather in FP8 payload + scales: tensorwise" in log
     assert "FSDP2 all-gathers FP8 weights as FP8 payload + scales" in log
     if model == "deepseek_v3":
