@@ -289,6 +289,19 @@ def test_trainer_with_fp8_all_gather_matches_it_off(model, tmp_path):
 
 
 @pytest.mark.trainer
+@pytest.mark.parametrize("spmd_backend", ["partial_dtensor", "full_dtensor"])
+def test_trainer_with_fp8_all_gather_on_the_dtensor_spmd_backends(spmd_backend, tmp_path):
+    """TorchTitan's other SPMD backends (FSDP2 only: partial_dtensor never calls the modules'
+    parallelize then, so the weights are wrapped at construction): FP8 all-gather runs (the
+    log line comes from the first FP8 all-gather) and the losses are those of the option off."""
+    backend = ("--parallelism.spmd_backend", spmd_backend)
+    on, log = _fp8_run("llama3", tmp_path / "on", 2, True, *FSDP2, *backend)
+    off, _ = _fp8_run("llama3", tmp_path / "off", 2, False, *FSDP2, *backend)
+    assert "FSDP2 all-gathers FP8 weights as FP8 payload + scales" in log
+    assert on == off and sorted(on) == [1, 2], (on, off)
+
+
+@pytest.mark.trainer
 def test_trainer_compile_with_fp8_all_gather(tmp_path):
     """--compile.enable (each block fullgraph) with FP8-gathered weights inside the compiled
     blocks: the losses of the eager run with the option on. Measured equal to 5 decimals."""

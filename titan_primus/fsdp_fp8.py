@@ -49,6 +49,7 @@ __all__ = [
     "Fp8GatheredWeight",
     "fp8_all_gather_plan",
     "enable_fp8_all_gather",
+    "disable_fp8_all_gather",
     "precompute_fp8_weight_amaxes",
     "register_amax_precompute_after_optimizer_steps",
 ]
@@ -315,6 +316,7 @@ class Fp8AllGatherWeight(torch.Tensor):
             return (_pad_rows(self._tensor.to(param_dtype), padded_rows),), (_HIGH_PRECISION, tuple(outer_size), None)
         # Quantized from the values the GEMM would receive: FSDP2 casts to param_dtype, the layer
         # may cast again (expert weights to bf16); rounding is monotone, so the amax follows.
+        _announce()  # once: the log shows the FP8 all-gather ran
         dtypes = (param_dtype, plan.quantize_dtype or param_dtype)
         shard = self._tensor.to(dtypes[0]).to(dtypes[1])
         amax = None
@@ -441,7 +443,13 @@ def enable_fp8_all_gather(module: torch.nn.Module, name: str, plan: Fp8AllGather
         )
     setattr(module, name, torch.nn.Parameter(Fp8AllGatherWeight(param.data, plan), requires_grad=param.requires_grad))
     module.register_state_dict_post_hook(_plain_state_dict)
-    _announce()
+
+
+def disable_fp8_all_gather(module: torch.nn.Module, name: str) -> None:
+    """Undo :func:`enable_fp8_all_gather` (before ``fully_shard``): the plain parameter again."""
+    param = getattr(module, name)
+    if isinstance(param, Fp8AllGatherWeight):
+        setattr(module, name, torch.nn.Parameter(param._tensor, requires_grad=param.requires_grad))
 
 
 @functools.cache

@@ -22,7 +22,13 @@ from torchtitan.distributed.parallel_dims import MeshAxisName
 
 from ..backends.base import TensorParallelShards
 from ..conversion import check_parallelism
-from ..fsdp_fp8 import enable_fp8_all_gather, fp8_all_gather_plan, register_amax_precompute_after_optimizer_steps
+from ..fsdp_fp8 import (
+    Fp8AllGatherWeight,
+    disable_fp8_all_gather,
+    enable_fp8_all_gather,
+    fp8_all_gather_plan,
+    register_amax_precompute_after_optimizer_steps,
+)
 from ..ops import run_linear
 from ..recipes import Fp8Recipe
 from ..registry import get_backend
@@ -44,33 +50,43 @@ class _Fp8Module:
     def bind_fp8(self, config) -> None:
         self.fp8_backend = get_backend(config.fp8_backend)
         self.fp8_recipe = config.fp8_recipe
-        self.fp8_all_gather = config.fp8_all_gather
+        if config.fp8_all_gather:
+            # Wrapped at construction: TorchTitan's partial_dtensor backend calls parallelize
+            # only under tensor parallelism, and fully_shard always follows.
+            self.use_fp8_all_gather()
 
     def parallelize(self, parallel_dims) -> None:
         check_parallelism(
             type(self).__name__, parallel_dims, (self.fp8_backend, self.fp8_recipe),
             experts=self.covers_experts, passes_shards=not self.covers_experts,
         )
-        # Wrapped before fully_shard (which follows parallelize) and before TorchTitan
-        # annotates the weights (spmd_types), only where FSDP2 alone shards them (the check
-        # above refuses TP for experts, and EP for every recipe whose expert weights gather in
-        # FP8: tensorwise and Primus-Turbo's rowwise scales span experts).
-        if self.fp8_all_gather and parallel_dims.fsdp_enabled:
-            why_not = self._why_no_fp8_all_gather(parallel_dims)
+        # Unwrapped before TorchTitan distributes or annotates the weights where FSDP2 is not
+        # the only one to shard them (check_parallelism refuses TP for experts, and EP for
+        # every recipe whose expert weights gather in FP8: their scales span experts), and
+        # where FSDP2 does not shard (nothing to save).
+        if self.fp8_all_gather:
+            why_not = self._why_no_fp8_all_gather()
             if why_not:
                 _warn_no_fp8_all_gather(type(self).__name__, why_not)
-            else:
-                self.use_fp8_all_gather()
+            if why_not or not parallel_dims.fsdp_enabled:
+                self.use_fp8_all_gather(False)
         super().parallelize(parallel_dims)
 
-    def _why_no_fp8_all_gather(self, parallel_dims) -> str | None:
-        if parallel_dims.spmd_backend != "spmd_types":
-            # The DTensor backends distribute the weight before FSDP2 shards it.
-            return f"parallelism.spmd_backend is {parallel_dims.spmd_backend!r}, not 'spmd_types' (TorchTitan's default)"
+    def _why_no_fp8_all_gather(self) -> str | None:
         return None
 
-    def use_fp8_all_gather(self) -> None:
-        """Make FSDP2 all-gather this module's FP8 weights as FP8 (call before fully_shard)."""
+    @property
+    def fp8_all_gather(self) -> bool:
+        """Whether FSDP2 all-gathers this module's FP8 weights as FP8."""
+        weight = getattr(self, self.fp8_weight_names[0])
+        return isinstance(getattr(weight, "_local_tensor", weight), Fp8AllGatherWeight)
+
+    def use_fp8_all_gather(self, on: bool = True) -> None:
+        """Make FSDP2 all-gather this module's FP8 weights as FP8, or not (before fully_shard)."""
+        if not on:
+            for name in self.fp8_weight_names:
+                disable_fp8_all_gather(self, name)
+            return
         op = "grouped_mm" if self.covers_experts else "linear"
         plan, verdict = fp8_all_gather_plan(self.fp8_backend, self.fp8_recipe, op)
         if plan is None:
@@ -127,10 +143,8 @@ class Fp8Linear(_Fp8Module, Linear):
         self.fp8_shards = tensor_parallel_shards(self._sharding_config, parallel_dims)
         super().parallelize(parallel_dims)
 
-    def _why_no_fp8_all_gather(self, parallel_dims) -> str | None:
-        if self.fp8_shards is not None:
-            return "tensor parallelism shards them first"
-        return super()._why_no_fp8_all_gather(parallel_dims)
+    def _why_no_fp8_all_gather(self) -> str | None:
+        return "tensor parallelism shards them first" if self.fp8_shards is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Local shapes: under tensor parallelism x and the weight are this rank's shards, and
