@@ -81,9 +81,19 @@ def _weight_casts_exact(recipe: Fp8Recipe) -> Verdict:
     if fwd.fmt is None:
         return Verdict.no("the recipe keeps the weight in high precision in the forward GEMM")
     if fwd.granularity == "block":
+        # Blocks are laid out [non-contracted, contracted]: forward contracts the weight's K,
+        # grad_input its N, so only square blocks are the same blocks in both GEMMs.
+        if fwd != dgrad or fwd.block[0] != fwd.block[1]:
+            return Verdict.no(
+                f"{recipe.describe()}: grad_input casts the weight in other blocks ({dgrad.block[0]}x{dgrad.block[1]} "
+                f"along N, the forward {fwd.block[0]}x{fwd.block[1]} along K), so an exact FP8 all-gather would "
+                f"need a second FP8 copy (no traffic saved)"
+            )
         return Verdict.no(
-            f"{recipe.describe()}: FP8 all-gather of block-scaled weights is not implemented yet "
-            f"(each rank's blocks would have to align with FSDP2's row shards)"
+            f"{recipe.describe()}: FP8 all-gather of block-scaled weights is not implemented yet: its "
+            f"{fwd.block[0]}x{fwd.block[1]} weight blocks serve both GEMMs and would stay exact where FSDP2's "
+            f"row shards align with them, but TorchAO's and Primus-Turbo's block-scaled GEMMs, as wired here, "
+            f"quantize the weight themselves"
         )
     if fwd.granularity == "tensorwise" and dgrad == fwd:
         return Verdict.yes("tensorwise: forward and grad_input GEMMs read the same FP8 weight")
