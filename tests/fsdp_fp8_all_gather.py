@@ -11,6 +11,7 @@ OPTIONS: ``double=VERSION`` (install the Primus-Turbo TEST DOUBLE at that releas
 degree exceeds the number of experts).
 """
 
+import logging
 import sys
 
 import torch
@@ -27,6 +28,7 @@ from titan_primus.torchtitan import Float8Converter
 
 import titan_primus as tp
 
+logging.basicConfig(stream=sys.stdout, level=logging.WARNING, format="%(message)s")  # titan-primus's warnings, for the test
 dist.init_process_group("gloo")
 model_name, recipe, device, backend, steps = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
 options = dict(arg.partition("=")[::2] for arg in sys.argv[6:])

@@ -225,7 +225,10 @@ class Fp8GatheredWeight(torch.Tensor):
             dims = args[1:3]
             scale = self._scale if self._scale.dim() == 0 else self._scale.transpose(*dims)
             return self._with(self._data.transpose(*dims), scale)
-        if func is aten._to_copy.default and set(kwargs) <= {"dtype"} and kwargs.get("dtype") == self._source_dtype:
+        if func is aten._to_copy.default and kwargs.get("dtype") == self._source_dtype and all(
+            value in (None, False, torch.preserve_format, self.device, self.layout)
+            for key, value in kwargs.items() if key != "dtype"
+        ):
             return self._with(dtype=self._source_dtype)
         if func is aten.constant_pad_nd.default and (args[2] if len(args) > 2 else 0) == 0 and min(args[1]) >= 0:
             return self._zero_padded(args[1])
