@@ -26,7 +26,7 @@ one exists. Each is explained where it is made. Apart from the attention swap
 (FlexAttention -> causal SDPA) none changes the numerics.
 """
 
-import cpu_world  # noqa: F401  (0) offline Hugging Face, (1) a single-process world without torchrun
+import cpu_world  # (0) offline Hugging Face, (1) a single-process world without torchrun
 
 # (2) tools/utils.py picks `_get_available_device_type() or "cuda"`, so with no
 #     accelerator the trainer calls torch.cuda.set_device and dies. Several
@@ -42,22 +42,10 @@ _tt_utils.device_type, _tt_utils.device_module = "cpu", cpu_world.CPU_DEVICE_MOD
 # torch.distributed.Backend.default_device_backend_map, so "cpu" -> "gloo"
 # follows from the patch above; nothing more is needed.
 
-# (4) FSDP2 reduce-scatters gradients with ReduceOp.PREMUL_SUM(1 / factor), which gloo lacks;
-#     TorchTitan sets factor 1 (it scales gradients itself), so a plain SUM is the same math.
+# (4) FSDP2 on gloo: gradients reduced with a plain SUM (cpu_world.with_sum_reduction).
 import torchtitan.distributed.fsdp as _tt_fsdp  # noqa: E402
-from torch.distributed.fsdp import FSDPModule  # noqa: E402
 
-_disable_gradient_division = _tt_fsdp.disable_fsdp_gradient_division
-
-
-def _disable_gradient_division_gloo(model) -> None:
-    _disable_gradient_division(model)
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_force_sum_reduction_for_comms(True)
-
-
-_tt_fsdp.disable_fsdp_gradient_division = _disable_gradient_division_gloo
+_tt_fsdp.disable_fsdp_gradient_division = cpu_world.with_sum_reduction(_tt_fsdp.disable_fsdp_gradient_division)
 
 from torchtitan.config import ConfigManager  # noqa: E402
 from torchtitan.config.override import derive  # noqa: E402

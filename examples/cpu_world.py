@@ -55,6 +55,22 @@ CPU_DEVICE_MODULE = types.SimpleNamespace(
 )
 
 
+def with_sum_reduction(disable_gradient_division):
+    """TorchTitan's ``disable_fsdp_gradient_division``, also making every FSDP2 module reduce
+    gradients with a plain SUM: FSDP2 reduce-scatters with ReduceOp.PREMUL_SUM(1 / factor), which
+    gloo lacks, and TorchTitan sets the factor to 1 (it scales gradients itself), so SUM is the
+    same math."""
+    from torch.distributed.fsdp import FSDPModule
+
+    def disable_gradient_division_gloo(model) -> None:
+        disable_gradient_division(model)
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)
+
+    return disable_gradient_division_gloo
+
+
 def exit_without_teardown(code) -> None:
     """End the process once the trainer has returned: with torch 2.14 and gloo, a multi-rank CPU
     process sometimes aborts during interpreter teardown ("terminate called without an active

@@ -1,35 +1,43 @@
 """Run by test_fsdp_fp8_all_gather.py under torchrun (2 ranks, gloo): one converted model trained
 for a few steps under FSDP2 (bf16 parameters, fp32 reduction, as TorchTitan sets it) twice from
-the same initialisation, its FP8 linears' weights all-gathered in bf16 and then in FP8. Prints
-whether losses, gradients and updated weights are bitwise equal, and the bytes all-gathered per
-step, counted at the collective (all of it) and at the FP8 hooks (the FP8 weights' payload).
+the same initialisation, the weights of its FP8 linears and MoE experts (where the recipe
+allows) all-gathered in bf16 and then in FP8. Prints whether losses, gradients and updated
+weights are bitwise equal, and the bytes all-gathered per step, counted at the collective (all
+of it) and at the FP8 hooks (the FP8 weights' payload).
 
-Usage: fsdp_fp8_all_gather.py MODEL RECIPE DEVICE_PROFILE BACKEND STEPS [PRIMUS_TURBO_DOUBLE_VERSION]
-(the last: install the Primus-Turbo TEST DOUBLE at that release first).
+Usage: fsdp_fp8_all_gather.py MODEL RECIPE DEVICE_PROFILE BACKEND STEPS [OPTIONS...]
+OPTIONS: ``double=VERSION`` (install the Primus-Turbo TEST DOUBLE at that release first),
+``experts_shard1`` (FSDP2 shards expert weights on dim 1, as TorchTitan does when the FSDP
+degree exceeds the number of experts).
 """
 
+import logging
 import sys
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from titan_helpers import build, model_config
 
 from cpu_world import exit_without_teardown  # examples/, on sys.path via titan_helpers
 
-from titan_primus.fsdp_fp8 import Fp8AllGatherWeight
-from titan_primus.torchtitan import Float8Converter, Fp8Linear
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
+
+from titan_primus.fsdp_fp8 import Fp8AllGatherWeight, fp8_all_gather_plan
+from titan_primus.torchtitan import Float8Converter
 
 import titan_primus as tp
 
+logging.basicConfig(stream=sys.stdout, level=logging.WARNING, format="%(message)s")  # titan-primus's warnings, for the test
 dist.init_process_group("gloo")
 model_name, recipe, device, backend, steps = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
+options = dict(arg.partition("=")[::2] for arg in sys.argv[6:])
 double = None
-if len(sys.argv) > 6:
+if "double" in options:
     import pytest
     from doubles import primus_turbo_double as double
 
-    double.install(pytest.MonkeyPatch(), version=sys.argv[6], arch=device)
+    double.install(pytest.MonkeyPatch(), version=options["double"], arch=device)
     tp.registry.refresh()
 world = dist.get_world_size()
 
@@ -66,14 +74,26 @@ config = Float8Converter.Config(device=device, recipe=recipe, backend=backend).b
 mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
+def fp8_modules(model):
+    """The FP8 linears and expert blocks whose weights this recipe and backend can gather in FP8."""
+    for module in model.modules():
+        if hasattr(module, "use_fp8_all_gather"):
+            op = "grouped_mm" if module.covers_experts else "linear"
+            if fp8_all_gather_plan(module.fp8_backend, module.fp8_recipe, op)[0] is not None:
+                yield module
+
+
 def sharded(fp8_all_gather: bool):
     model = build(config, seed=0)
-    if fp8_all_gather:
-        for module in model.modules():
-            if isinstance(module, Fp8Linear):
-                module.use_fp8_all_gather()
+    expert_weights = set()
+    for module in fp8_modules(model):
+        if fp8_all_gather:
+            module.use_fp8_all_gather()
+        if module.covers_experts:
+            expert_weights.update(module.parameters())
+    placement = (lambda p: Shard(1) if p in expert_weights else None) if "experts_shard1" in options else None
     for block in model.layers.values():
-        fully_shard(block, mp_policy=mp)
+        fully_shard(block, mp_policy=mp, shard_placement_fn=placement)
     fully_shard(model, mp_policy=mp)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
@@ -100,7 +120,10 @@ for fp8_all_gather in (False, True):
     runs[fp8_all_gather] = losses, grads, bytes_per_step, state
     if double:
         quantized[fp8_all_gather] = sum(n for k, n in double.KERNEL_CALLS.items() if k.startswith("quantize"))
-        fp8_gathered = sum(isinstance(getattr(p, "_local_tensor", p), Fp8AllGatherWeight) for p in model.parameters())
+    fp8_gathered = {kind: sum(isinstance(getattr(p, "_local_tensor", p), Fp8AllGatherWeight)
+                              for m in fp8_modules(model) if m.covers_experts == (kind == "experts")
+                              for p in m.parameters())
+                    for kind in ("linears", "experts")}
 
 (l0, g0, b0, s0), (l1, g1, b1, s1) = runs[False], runs[True]
 assert all(type(v) is torch.Tensor for v in s1.values()), "state dict must hold plain tensors"
@@ -115,11 +138,12 @@ if dist.get_rank() == 0:
     print(f"losses {[round(float(v), 6) for v in l1]}")
     print(f"amax all-reduces per step (FP8 all-gather): {[b['amax_all_reduces'] for b in b1]}")
     print(f"bitwise equal: loss {loss_equal} grads {grads_equal} weights {weights_equal}")
+    print(f"FP8-gathered weights: linears {fp8_gathered['linears']} expert weights {fp8_gathered['experts']}")
     print(f"all-gathered bytes per step: bf16 {off} fp8 {on} ratio {on / off:.4f}; "
-          f"FP8 linear weights: bf16 {bf16_payload} fp8 {fp8_payload} ratio {fp8_payload / bf16_payload:.4f}")
+          f"FP8 weights: bf16 {bf16_payload} fp8 {fp8_payload} ratio {fp8_payload / bf16_payload:.4f}")
     if double:  # each FP8-gathered weight is taken as gathered: one quantize launch fewer per step
         print(f"Primus-Turbo double quantize launches: bf16 gather {quantized[False]} fp8 gather {quantized[True]} "
-              f"saved {quantized[False] - quantized[True]} = {fp8_gathered} weights x {steps} steps: "
-              f"{quantized[False] - quantized[True] == fp8_gathered * steps}")
+              f"saved {quantized[False] - quantized[True]} = {sum(fp8_gathered.values())} weights x {steps} steps: "
+              f"{quantized[False] - quantized[True] == sum(fp8_gathered.values()) * steps}")
 dist.barrier()
 exit_without_teardown(0)  # see cpu_world: gloo processes can abort in interpreter teardown

@@ -5,7 +5,7 @@ import pytest
 from tt02_helpers import EXAMPLES, convert, meta_model, parallel_dims, run_trainer
 
 from titan_primus.fsdp_fp8 import Fp8AllGatherWeight
-from titan_primus.torchtitan02 import Fp8Linear
+from titan_primus.torchtitan02 import Fp8GroupedExperts, Fp8Linear
 
 FSDP2 = ("--parallelism.data_parallel_shard_degree", "2", "--titan_primus.recipe", "tensorwise")
 ON = "--titan_primus.enable_fsdp_float8_all_gather"
@@ -13,12 +13,15 @@ ON = "--titan_primus.enable_fsdp_float8_all_gather"
 
 @pytest.mark.parametrize("recipe, fsdp, wrapped", [("tensorwise", 2, True), ("tensorwise", 1, False), ("rowwise", 2, False)])
 def test_converter_wraps_weights_only_where_fsdp_gathers_them_exactly(recipe, fsdp, wrapped):
-    model = meta_model("llama3")
+    model = meta_model("deepseek_v3")
     report = convert(model, parallel_dims(world_size=fsdp), recipe=recipe, device="cpu",
                      enable_fsdp_float8_all_gather=True).report
-    linears = [m for m in model.modules() if isinstance(m, Fp8Linear)]
-    assert linears and all(isinstance(m.weight.data, Fp8AllGatherWeight) == wrapped for m in linears)
-    assert ("FSDP2 weight all-gather in FP8" if recipe == "tensorwise" else "FSDP2 weight all-gather in bf16") in report.summary()
+    weights = [m.weight for m in model.modules() if isinstance(m, Fp8Linear)]
+    experts = [w for m in model.modules() if isinstance(m, Fp8GroupedExperts) for w in (m.w1, m.w2, m.w3)]
+    assert weights and experts
+    assert all(isinstance(w.data, Fp8AllGatherWeight) == wrapped for w in weights + experts)
+    how = "FSDP2 weight all-gather in FP8" if recipe == "tensorwise" else "FSDP2 weight all-gather in bf16"
+    assert f"linears: {how}" in report.summary() and f"grouped experts: {how}" in report.summary()
 
 
 @pytest.mark.trainer
@@ -32,7 +35,7 @@ def test_fp8_all_gather_matches_it_off(model, tmp_path):
     assert "linears: FSDP2 weight all-gather in FP8 payload + scales: tensorwise" in log
     assert "FSDP2 all-gathers FP8 weights as FP8 payload + scales" in log
     if model == "deepseek_v3":
-        assert "grouped experts: FSDP2 weight all-gather in bf16" in log
+        assert "grouped experts: FSDP2 weight all-gather in FP8 payload + scales: tensorwise" in log
     assert on == off and sorted(on) == [1, 2, 3], (on, off)
 
 

@@ -136,9 +136,9 @@ class ConversionOptions:
     """Route as if on this named device profile ("gfx942", "sm90", "cpu", ...); default: the
     detected device."""
     enable_fsdp_float8_all_gather: bool = False
-    """Under FSDP2, all-gather FP8 linears' weights as FP8 payload plus scales (about half the
-    bytes) wherever that is bit-exact for the recipe and the backend takes a pre-quantized
-    weight; elsewhere bf16, with the reason in the routing report."""
+    """Under FSDP2, all-gather the weights of FP8 linears and MoE experts as FP8 payload plus
+    scales (about half the bytes) wherever that is bit-exact for the recipe and the backend
+    takes a pre-quantized weight; elsewhere bf16, with the reason in the routing report."""
 
     def check(self) -> None:
         """Raise ValueError naming the bad option. Config files reach here unchecked (TOML values
@@ -262,11 +262,7 @@ class LayerRouter:
             return False
         if op not in self.report.fp8_all_gather:
             decision = self.decision(op)
-            if op == "grouped_mm":
-                verdict = Verdict.no("FP8 all-gather of MoE expert weights is not implemented yet")
-            else:
-                verdict = fp8_all_gather_plan(decision.backend, decision.recipe)[1]
-            self.report.fp8_all_gather[op] = verdict
+            self.report.fp8_all_gather[op] = fp8_all_gather_plan(decision.backend, decision.recipe, op)[1]
         return bool(self.report.fp8_all_gather[op])
 
     def _record(self, fqn, kind, decision: RoutingDecision, reason: str | None) -> RoutingDecision | None:

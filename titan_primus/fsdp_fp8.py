@@ -12,10 +12,13 @@ have made of the gathered high-precision weight, because
   for every FP8 weight at once after each optimizer step, :func:`precompute_fp8_weight_amaxes`),
   rounded to ``param_dtype`` like the values (rounding is monotone, so this is the amax of the
   ``param_dtype`` weight);
-- rowwise: a forward scale is per output row, and FSDP2 shards rows (dim 0), so each rank's
-  rows carry their whole scale; the scales travel with the payload;
+- rowwise: a forward scale is per output row (per expert and output row for MoE expert
+  weights [E, N, K]), reduced over K, and FSDP2 shards rows or experts, never K, so each rank's
+  rows carry their whole scale; the scales travel with the payload where FSDP2 can gather them
+  (even dim-0 shards), else the weight is gathered in high precision, with a warning;
 - a weight is gathered in FP8 only where the backward pass needs nothing but that FP8 copy
-  (:func:`fp8_all_gather_plan`), and only on backends that take a pre-quantized weight.
+  (:func:`fp8_all_gather_plan`), and only on backends that take a pre-quantized weight;
+- MoE expert weights are quantized from the bf16 copy TorchTitan's experts cast them to.
 
 State dicts hold the plain high-precision tensor (same names, shapes, dtypes). Torch-only: the
 TorchTitan adapters wrap weights and hook the per-step amax precompute.
@@ -34,7 +37,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._pytree import tree_map_only
 
-from .backends.base import Verdict
+from .backends.base import Op, Verdict
 from .recipes import Fp8Recipe, GemmCasts
 from .scaling import amax_to_scale, dequantize, quantize, scaled_cast
 
@@ -46,6 +49,7 @@ __all__ = [
     "Fp8GatheredWeight",
     "fp8_all_gather_plan",
     "enable_fp8_all_gather",
+    "disable_fp8_all_gather",
     "precompute_fp8_weight_amaxes",
     "register_amax_precompute_after_optimizer_steps",
 ]
@@ -58,8 +62,11 @@ class Fp8AllGatherPlan:
     recipe: Fp8Recipe
     granularity: Literal["tensorwise", "rowwise"]
     backend: object
-    """The layer's backend; its ``gathered_weight(data, scale, dtype, recipe)`` builds the
-    unsharded parameter from the gathered payload."""
+    """The layer's backend; its ``gathered_weight(data, scale, dtype, recipe, source_dtype)``
+    builds the unsharded parameter from the gathered payload."""
+    quantize_dtype: torch.dtype | None = None
+    """The dtype the layer casts its weight to before the GEMM (TorchTitan's GroupedExperts: bf16),
+    which the weight is quantized from; None: FSDP2's param_dtype, the dtype the GEMM receives."""
 
     @property
     def fp8_dtype(self) -> torch.dtype:
@@ -74,9 +81,19 @@ def _weight_casts_exact(recipe: Fp8Recipe) -> Verdict:
     if fwd.fmt is None:
         return Verdict.no("the recipe keeps the weight in high precision in the forward GEMM")
     if fwd.granularity == "block":
+        # Blocks are laid out [non-contracted, contracted]: forward contracts the weight's K,
+        # grad_input its N, so only square blocks are the same blocks in both GEMMs.
+        if fwd != dgrad or fwd.block[0] != fwd.block[1]:
+            return Verdict.no(
+                f"{recipe.describe()}: grad_input casts the weight in other blocks ({dgrad.block[0]}x{dgrad.block[1]} "
+                f"along N, the forward {fwd.block[0]}x{fwd.block[1]} along K), so an exact FP8 all-gather would "
+                f"need a second FP8 copy (no traffic saved)"
+            )
         return Verdict.no(
-            f"{recipe.describe()}: FP8 all-gather of block-scaled weights is not implemented yet "
-            f"(each rank's blocks would have to align with FSDP2's row shards)"
+            f"{recipe.describe()}: FP8 all-gather of block-scaled weights is not implemented yet: its "
+            f"{fwd.block[0]}x{fwd.block[1]} weight blocks serve both GEMMs and would stay exact where FSDP2's "
+            f"row shards align with them, but TorchAO's and Primus-Turbo's block-scaled GEMMs, as wired here, "
+            f"quantize the weight themselves"
         )
     if fwd.granularity == "tensorwise" and dgrad == fwd:
         return Verdict.yes("tensorwise: forward and grad_input GEMMs read the same FP8 weight")
@@ -97,24 +114,29 @@ def _weight_casts_exact(recipe: Fp8Recipe) -> Verdict:
     )
 
 
-def fp8_all_gather_plan(backend, recipe: Fp8Recipe) -> tuple[Fp8AllGatherPlan | None, Verdict]:
-    """The plan for a linear on ``backend`` running ``recipe``, or None with the reason its
-    weight is all-gathered in high precision."""
+def fp8_all_gather_plan(backend, recipe: Fp8Recipe, op: Op = "linear") -> tuple[Fp8AllGatherPlan | None, Verdict]:
+    """The plan for ``op``'s weights (a linear's, or an MoE expert block's w1/w2/w3) on
+    ``backend`` running ``recipe``, or None with the reason they are all-gathered in high
+    precision. The same casts decide both: a grouped GEMM's B_t is cast like a linear's weight,
+    per (expert, output column) where a linear's is per output row."""
     exact = _weight_casts_exact(recipe)
     if not exact:
         return None, exact
-    takes = backend.takes_gathered_fp8_weight(recipe)
+    takes = backend.takes_gathered_fp8_weight(recipe, op)
     if not takes:
         return None, takes
-    plan = Fp8AllGatherPlan(recipe, recipe.output.b.granularity, backend)
+    # TorchTitan's GroupedExperts (0.2.x and 0.3) hand their weights to the grouped GEMM as bf16.
+    quantize_dtype = torch.bfloat16 if op == "grouped_mm" else None
+    plan = Fp8AllGatherPlan(recipe, recipe.output.b.granularity, backend, quantize_dtype)
     return plan, Verdict.yes(f"{exact.reason}; {takes.reason}")
 
 
 def quantize_weight(weight: torch.Tensor, plan: Fp8AllGatherPlan, amax: torch.Tensor | None):
-    """(FP8 data, float32 scale) of ``weight`` [N, K] as the forward GEMM casts it; ``amax``:
-    the whole weight's amax for tensorwise scales (rowwise scales are per row, local)."""
+    """(FP8 data, float32 scale) of ``weight`` [N, K] or [E, N, K] as the forward GEMM casts
+    it; ``amax``: the whole weight's amax for tensorwise scales (rowwise scales are per row,
+    over K, local)."""
     if plan.granularity == "rowwise":
-        return quantize(weight, plan.fp8_dtype, 1, plan.recipe.pow2_scales)
+        return quantize(weight, plan.fp8_dtype, -1, plan.recipe.pow2_scales)
     scale = amax_to_scale(amax.to(weight.dtype), plan.fp8_dtype, plan.recipe.pow2_scales)
     return scaled_cast(weight, scale, plan.fp8_dtype), scale
 
@@ -123,16 +145,29 @@ def quantize_weight(weight: torch.Tensor, plan: Fp8AllGatherPlan, amax: torch.Te
 
 
 class Fp8GatheredWeight(torch.Tensor):
-    """A gathered FP8 weight as the emulated and Primus-Turbo backends consume it: ``_data`` (FP8, [N, K]) and
-    ``_scale`` (float32, [] or [N, 1]); it presents itself as the weight in ``param_dtype``.
-    Autograd treats it as the unsharded parameter; its gradient is a plain tensor."""
+    """A gathered FP8 weight as the emulated and Primus-Turbo backends consume it: ``_data``
+    (FP8; [N, K], or [E, N, K] for expert weights) and ``_scale`` (float32, [] or broadcastable
+    to ``_data``: [N, 1], [E, N, 1]); it presents itself as the weight in ``dtype``. Autograd
+    treats it as the unsharded parameter; its gradient is a plain tensor.
+
+    The views and casts a layer makes of its weight before the GEMM keep it FP8: transposes
+    (an expert's ``B_t``), zero padding (the emulation's alignment), and the cast to
+    ``source_dtype``, the dtype the payload was quantized from. Anything else sees the
+    dequantized weight."""
 
     @staticmethod
-    def __new__(cls, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, reciprocal: bool):
+    def __new__(cls, data, scale, dtype, reciprocal, source_dtype=None):
         return torch.Tensor._make_wrapper_subclass(cls, data.shape, strides=data.stride(), dtype=dtype, device=data.device)
 
-    def __init__(self, data, scale, dtype, reciprocal):
+    def __init__(self, data, scale, dtype, reciprocal, source_dtype=None):
         self._data, self._scale, self._reciprocal = data, scale, reciprocal
+        self._source_dtype = source_dtype or dtype
+
+    def _with(self, data=None, scale=None, dtype=None) -> "Fp8GatheredWeight":
+        return Fp8GatheredWeight(
+            self._data if data is None else data, self._scale if scale is None else scale,
+            dtype or self.dtype, self._reciprocal, self._source_dtype,
+        )
 
     def dequantize(self) -> torch.Tensor:
         """The weight as the FP8 GEMM sees it, in float32 (exactly what the emulation's own
@@ -143,6 +178,9 @@ class Fp8GatheredWeight(torch.Tensor):
     def fp8_data(self) -> torch.Tensor:
         return self._data
 
+    def scale(self) -> torch.Tensor:
+        return self._scale
+
     def scale_inv(self) -> torch.Tensor:
         """fl(1 / scale) in float32: what kernels that take scale inverses (Primus-Turbo's) receive."""
         return torch.reciprocal(self._scale)
@@ -151,7 +189,7 @@ class Fp8GatheredWeight(torch.Tensor):
         return f"Fp8GatheredWeight(shape={tuple(self.shape)}, dtype={self.dtype}, fp8={self._data.dtype})"
 
     def __tensor_flatten__(self):
-        return ["_data", "_scale"], (self.dtype, self._reciprocal)
+        return ["_data", "_scale"], (self.dtype, self._reciprocal, self._source_dtype)
 
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
@@ -163,19 +201,48 @@ class Fp8GatheredWeight(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args, kwargs=None):
         kwargs = kwargs or {}
         weight = args[0]
-        # FSDP2 re-views the unsharded tensor with its original size and stride, and
-        # nn.Parameter detaches it: both are the tensor itself.
-        if func in cls._VIEWS or (
-            func is torch.ops.aten.as_strided.default
-            and tuple(args[1]) == tuple(weight.shape) and tuple(args[2]) == weight.stride()
-            and (args[3] if len(args) > 3 else kwargs.get("storage_offset", 0)) in (0, None)
-        ):
-            return Fp8GatheredWeight(weight._data, weight._scale, weight.dtype, weight._reciprocal)
+        kept = weight._kept_fp8(func, args, kwargs) if isinstance(weight, Fp8GatheredWeight) else None
+        if kept is not None:
+            return kept
         # Anything else (a norm for logging, a print) sees the dequantized weight.
         args, kwargs = tree_map_only(
             Fp8GatheredWeight, lambda t: t.dequantize().to(t.dtype), (args, kwargs)
         )
         return func(*args, **kwargs)
+
+    def _kept_fp8(self, func, args, kwargs) -> "Fp8GatheredWeight | None":
+        """``func(self, ...)`` as an Fp8GatheredWeight where it changes no value, else None."""
+        aten = torch.ops.aten
+        # FSDP2 re-views the unsharded tensor with its original size and stride, and
+        # nn.Parameter detaches it: both are the tensor itself.
+        if func in self._VIEWS or (
+            func is aten.as_strided.default
+            and tuple(args[1]) == tuple(self.shape) and tuple(args[2]) == self.stride()
+            and (args[3] if len(args) > 3 else kwargs.get("storage_offset", 0)) in (0, None)
+        ):
+            return self._with()
+        if func is aten.transpose.int:
+            dims = args[1:3]
+            scale = self._scale if self._scale.dim() == 0 else self._scale.transpose(*dims)
+            return self._with(self._data.transpose(*dims), scale)
+        if func is aten._to_copy.default and kwargs.get("dtype") == self._source_dtype and all(
+            value in (None, False, torch.preserve_format, self.device, self.layout)
+            for key, value in kwargs.items() if key != "dtype"
+        ):
+            return self._with(dtype=self._source_dtype)
+        if func is aten.constant_pad_nd.default and (args[2] if len(args) > 2 else 0) == 0 and min(args[1]) >= 0:
+            return self._zero_padded(args[1])
+        return None
+
+    def _zero_padded(self, pad) -> "Fp8GatheredWeight":
+        """Zero padding (F.pad's ``pad``: pairs from the last dim): zero FP8 bytes (0x00 is +0 in
+        every FP8 format), and a scale of 1 for the new rows of a per-row scale."""
+        data = torch.nn.functional.pad(self._data.view(torch.uint8), pad).view(self._data.dtype)
+        scale = self._scale
+        if scale.dim():
+            scale_pad = [p if scale.shape[-1 - i // 2] > 1 else 0 for i, p in enumerate(pad)]
+            scale = torch.nn.functional.pad(scale, scale_pad, value=1.0)
+        return self._with(data, scale)
 
 
 # --- the sharded side: the parameter FSDP2 holds -------------------------------------------
@@ -253,39 +320,75 @@ class Fp8AllGatherWeight(torch.Tensor):
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         plan = self._plan
         world = mesh.size()
-        if plan.granularity == "rowwise" and outer_size[0] % world:
-            # FSDP2 wants every all-gather input padded to the shard's padded size, which a
-            # per-row scale column is not; the check is the same on every rank, so all raise.
-            raise NotImplementedError(
-                f"titan-primus: rowwise FP8 all-gather of a weight with {outer_size[0]} rows needs "
-                f"the rows divisible by the FSDP degree ({world}); turn enable_fsdp_float8_all_gather off"
-            )
-        shard = self._tensor.to(mp_policy.param_dtype or self._tensor.dtype)
+        param_dtype = mp_policy.param_dtype or self._tensor.dtype
+        shard_dim = next((d for d, (a, b) in enumerate(zip(self.shape, outer_size)) if a != b), 0)
+        padded_rows = -(-outer_size[0] // world) if shard_dim == 0 else self.shape[0]  # FSDP2 pads dim 0 only
+        high_precision = _why_high_precision(plan, outer_size, shard_dim, world)
+        if high_precision:
+            _warn_high_precision(tuple(outer_size), high_precision)
+            return (_pad_rows(self._tensor.to(param_dtype), padded_rows),), (_HIGH_PRECISION, tuple(outer_size), None)
+        # Quantized from the values the GEMM would receive: FSDP2 casts to param_dtype, the layer
+        # may cast again (expert weights to bf16); rounding is monotone, so the amax follows.
+        _announce()  # once: the log shows the FP8 all-gather ran
+        dtypes = (param_dtype, plan.quantize_dtype or param_dtype)
+        shard = self._tensor.to(dtypes[0]).to(dtypes[1])
+        amax = None
         if plan.granularity == "tensorwise":
             self._group = mesh.get_group()
             if not self.amax_is_fresh():  # first step, or weights changed since the precompute
                 _all_reduce_amaxes([self], self._group)
-        data, scale = quantize_weight(shard, plan, self._amax)
-        padded_rows = -(-outer_size[0] // world)  # FSDP2 pads every shard to this many rows
-        if data.shape[0] < padded_rows:  # uneven sharding: zero rows, cut off after the gather
-            data = torch.cat([data, data.new_zeros(padded_rows - data.shape[0], *data.shape[1:])])
-        if plan.granularity == "tensorwise":
-            return (data,), (scale, outer_size[0])
-        return (data, scale), (None, outer_size[0])
+            amax = self._amax.to(dtypes[0]).to(dtypes[1])
+        data, scale = quantize_weight(shard, plan, amax)
+        data = _pad_rows(data, padded_rows)  # uneven sharding: zero rows, cut off after the gather
+        metadata = (scale if plan.granularity == "tensorwise" else None, tuple(outer_size), dtypes[1])
+        return ((data,) if plan.granularity == "tensorwise" else (data, scale)), metadata
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
-        tensorwise_scale, rows = metadata
-        data = all_gather_outputs[0]
-        scale = tensorwise_scale if tensorwise_scale is not None else all_gather_outputs[1]
+        first, outer_size, source_dtype = metadata
+        high_precision = first is _HIGH_PRECISION
+        tensorwise_scale = None if high_precision else first
+        # FSDP2 hands each output back as [world * dim-0 rows of a shard, ...]; the memory is the
+        # padded weight in order (dim-0 shards stacked; other shards concatenated back by FSDP2).
+        data = all_gather_outputs[0].view(-1, *outer_size[1:])[: outer_size[0]]
         if out is not None:  # the unsharded parameter exists; its payload was gathered in place
             if tensorwise_scale is not None:
                 (out._local_tensor if isinstance(out, DTensor) else out)._scale = tensorwise_scale
             return
-        # The gathered weight views the first ``rows`` rows; FSDP2 frees and reallocates the
-        # whole all-gather outputs between uses.
-        gathered = self._plan.backend.gathered_weight(data[:rows], scale if scale.dim() == 0 else scale[:rows],
-                                                      param_dtype, self._plan.recipe)
+        if high_precision:
+            return data, tuple(all_gather_outputs)
+        scale = tensorwise_scale if tensorwise_scale is not None else all_gather_outputs[1].view(-1, *outer_size[1:-1], 1)[: outer_size[0]]
+        # The gathered weight views the first rows; FSDP2 frees and reallocates the whole
+        # all-gather outputs between uses.
+        gathered = self._plan.backend.gathered_weight(data, scale, param_dtype, self._plan.recipe, source_dtype)
         return gathered, tuple(all_gather_outputs)
+
+
+_HIGH_PRECISION = "high precision"
+"""All-gather metadata of a weight gathered in param_dtype after all."""
+
+
+def _why_high_precision(plan: Fp8AllGatherPlan, outer_size, shard_dim: int, world: int) -> str | None:
+    """Why FSDP2 cannot gather this weight's FP8 payload and scales exactly, if it cannot: it
+    wants every all-gather input padded like the weight's shard, which a column of per-row
+    scales is not, and for shards on dims other than 0 it re-views each input as the shard."""
+    if plan.granularity != "rowwise" or world == 1:
+        return None
+    if shard_dim != 0:
+        return (f"FSDP2 shards it on dim {shard_dim} (TorchTitan does for expert weights when the FSDP "
+                f"degree exceeds the number of experts), where it cannot gather per-row scales")
+    if outer_size[0] % world:
+        return f"its {outer_size[0]} rows do not divide by the FSDP degree ({world}), so the per-row scales cannot be padded"
+    return None
+
+
+@functools.cache
+def _warn_high_precision(shape: tuple, why: str) -> None:
+    logger.warning("titan-primus: a rowwise FP8 weight of shape %s is all-gathered in high precision: %s", shape, why)
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` with zero rows appended up to ``rows`` (FSDP2's padded shard size on dim 0)."""
+    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])]) if t.shape[0] < rows else t
 
 
 def _all_reduce_amaxes(weights: list[Fp8AllGatherWeight], group) -> None:
@@ -353,7 +456,13 @@ def enable_fp8_all_gather(module: torch.nn.Module, name: str, plan: Fp8AllGather
         )
     setattr(module, name, torch.nn.Parameter(Fp8AllGatherWeight(param.data, plan), requires_grad=param.requires_grad))
     module.register_state_dict_post_hook(_plain_state_dict)
-    _announce()
+
+
+def disable_fp8_all_gather(module: torch.nn.Module, name: str) -> None:
+    """Undo :func:`enable_fp8_all_gather` (before ``fully_shard``): the plain parameter again."""
+    param = getattr(module, name)
+    if isinstance(param, Fp8AllGatherWeight):
+        setattr(module, name, torch.nn.Parameter(param._tensor, requires_grad=param.requires_grad))
 
 
 @functools.cache

@@ -64,25 +64,14 @@ import torchtitan.models.moe.utils as _moe_utils  # noqa: E402
 
 _moe_utils.generate_permute_indices = functools.partial(_moe_utils.generate_permute_indices, use_cpu=True)
 
-# (5) Several ranks on gloo (FSDP2): gradients are reduce-scattered with ReduceOp.PREMUL_SUM,
-#     which gloo lacks; TorchTitan sets the divide factor to 1 (it scales gradients itself), so a
-#     plain SUM is the same math. llama4's parallelize (used by deepseek_v3) imports the function.
+# (5) Several ranks on gloo (FSDP2): gradients reduced with a plain SUM
+#     (cpu_world.with_sum_reduction). llama4's parallelize (used by deepseek_v3) imports the function.
 import torchtitan.models.llama3.infra.parallelize as _llama3_parallelize  # noqa: E402
 import torchtitan.models.llama4.infra.parallelize as _llama4_parallelize  # noqa: E402
-from torch.distributed.fsdp import FSDPModule  # noqa: E402
 
-_disable_gradient_division = _llama3_parallelize.disable_fsdp_gradient_division
-
-
-def _disable_gradient_division_gloo(model) -> None:
-    _disable_gradient_division(model)
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_force_sum_reduction_for_comms(True)
-
-
-_llama3_parallelize.disable_fsdp_gradient_division = _disable_gradient_division_gloo
-_llama4_parallelize.disable_fsdp_gradient_division = _disable_gradient_division_gloo
+_llama3_parallelize.disable_fsdp_gradient_division = _llama4_parallelize.disable_fsdp_gradient_division = (
+    cpu_world.with_sum_reduction(_llama3_parallelize.disable_fsdp_gradient_division)
+)
 
 
 if __name__ == "__main__":

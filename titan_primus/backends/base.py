@@ -106,14 +106,18 @@ class Fp8Backend(ABC):
         """Can this backend run a recipe object built elsewhere (e.g. one definition compared
         across backends in a parity run)?"""
 
-    def takes_gathered_fp8_weight(self, recipe: Fp8Recipe) -> Verdict:
-        """Can ``linear`` consume a weight FSDP2 all-gathered as FP8 (the forward cast of
-        ``recipe``), built by :meth:`gathered_weight`, without re-quantizing it?"""
+    def takes_gathered_fp8_weight(self, recipe: Fp8Recipe, op: Op = "linear") -> Verdict:
+        """Can ``op`` (``linear``'s weight, or ``grouped_mm``'s B_t, a transposed view of expert
+        weights) consume a weight FSDP2 all-gathered as FP8 (the forward cast of ``recipe``),
+        built by :meth:`gathered_weight`, without re-quantizing it?"""
         return Verdict.no(f"the {self.name} backend cannot take a pre-quantized weight yet")
 
     def gathered_weight(
-        self, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, recipe: Fp8Recipe
+        self, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, recipe: Fp8Recipe,
+        source_dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
-        """The unsharded weight that ``linear`` receives, from the gathered FP8 ``data`` [N, K]
-        and float32 ``scale`` ([] tensorwise, [N, 1] rowwise); it presents ``dtype``."""
+        """The unsharded weight the op receives, from the gathered FP8 ``data`` ([N, K], or
+        [E, N, K] for expert weights) and float32 ``scale`` ([] tensorwise, [N, 1] / [E, N, 1]
+        rowwise); it presents ``dtype``, and ``source_dtype`` is the dtype the payload was
+        quantized from (default ``dtype``)."""
         raise NotImplementedError(f"the {self.name} backend cannot take a pre-quantized weight")

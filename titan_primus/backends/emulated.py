@@ -120,7 +120,11 @@ _NO_SCALE = torch.ones(())
 
 def _operand(x: torch.Tensor, cast, recipe: Fp8Recipe, contract_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(values as bfloat16, float32 scale to divide the GEMM result by). FP8 values are exact in
-    bfloat16, so a bfloat16 grouped GEMM on them followed by the scales is the FP8 GEMM."""
+    bfloat16, so a bfloat16 grouped GEMM on them followed by the scales is the FP8 GEMM. An
+    expert weight FSDP2 gathered in FP8 is already cast (the all-gather plan sends it only where
+    ``cast`` is the forward cast it carries)."""
+    if isinstance(x, Fp8GatheredWeight):
+        return x.fp8_data().to(torch.bfloat16), x.scale()
     if cast.fmt is None:
         return x.to(torch.bfloat16), _NO_SCALE.to(x.device)
     reduce_dim = contract_dim if cast.granularity == "rowwise" else None
@@ -238,11 +242,11 @@ class EmulatedBackend(Fp8Backend):
     def accepts(self, recipe: Fp8Recipe) -> Verdict:
         return Verdict.yes("the emulation reproduces every recipe definition")
 
-    def takes_gathered_fp8_weight(self, recipe: Fp8Recipe) -> Verdict:
-        return Verdict.yes("the emulation dequantizes the gathered FP8 weight directly")
+    def takes_gathered_fp8_weight(self, recipe: Fp8Recipe, op: Op = "linear") -> Verdict:
+        return Verdict.yes("the emulation takes the gathered FP8 weight as it is")
 
-    def gathered_weight(self, data, scale, dtype, recipe):
-        return Fp8GatheredWeight(data, scale, dtype, recipe.reciprocal_scales)
+    def gathered_weight(self, data, scale, dtype, recipe, source_dtype=None):
+        return Fp8GatheredWeight(data, scale, dtype, recipe.reciprocal_scales, source_dtype)
 
     def linear(self, x, weight, bias, recipe, shards=None):
         if recipe.block_scaled:  # block scales never span a TP shard: no amax reduction (TP is refused)

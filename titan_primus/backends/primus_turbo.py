@@ -393,7 +393,7 @@ class PrimusTurboBackend(Fp8Backend):
                    "4 FP8 GEMMs per op, bf16 inputs saved")
         return {"eager": public, "compiled": compiled, "compiled, mxfp8 / blockwise": blocked}
 
-    def takes_gathered_fp8_weight(self, recipe: Fp8Recipe) -> Verdict:
+    def takes_gathered_fp8_weight(self, recipe: Fp8Recipe, op: Op = "linear") -> Verdict:
         api = self._api
         why = None
         if isinstance(api, str):
@@ -410,11 +410,12 @@ class PrimusTurboBackend(Fp8Backend):
                    f"high-precision weight, not from its FP8 copy (that arrived in v0.3.1)")
         if why:
             return Verdict.no(f"the primus_turbo backend cannot take a pre-quantized weight: {why}")
-        return Verdict.yes(f"Primus-Turbo {api.release}'s gemm_fp8_impl takes the gathered FP8 weight and its "
-                           f"scale_inv; only x is quantized")
+        kernel, other = ("gemm_fp8_impl", "x") if op == "linear" else ("grouped_gemm_fp8_impl", "A")
+        return Verdict.yes(f"Primus-Turbo {api.release}'s {kernel} takes the gathered FP8 weight and its "
+                           f"scale_inv; only {other} is quantized")
 
-    def gathered_weight(self, data, scale, dtype, recipe):
-        return Fp8GatheredWeight(data, scale, dtype, recipe.reciprocal_scales)
+    def gathered_weight(self, data, scale, dtype, recipe, source_dtype=None):
+        return Fp8GatheredWeight(data, scale, dtype, recipe.reciprocal_scales, source_dtype)
 
     def linear(self, x, weight, bias, recipe, shards=None):  # no TP scales: TP is refused
         api = _require_api()
@@ -437,7 +438,9 @@ class PrimusTurboBackend(Fp8Backend):
         # the column scales of the wgrad): zero them in the input; its backward drops their
         # gradient (left unwritten by the dgrad kernel before v0.4.0).
         A = zero_trailing_rows(A, offs)
-        if not torch.compiler.is_compiling():
+        if isinstance(B_t, Fp8GatheredWeight):  # FSDP2 gathered it in FP8: as for linear
+            out = _LowLevelGroupedMM.apply(A, B_t, offs, recipe.name)
+        elif not torch.compiler.is_compiling():
             out = _grouped_mm(api, A, B_t, offs, recipe.name)
         elif api.low_level and not recipe.block_scaled:
             out = _LowLevelGroupedMM.apply(A, B_t, offs, recipe.name)
@@ -557,7 +560,8 @@ class _LowLevelLinear(torch.autograd.Function):
 
 
 class _LowLevelGroupedMM(torch.autograd.Function):
-    """A [R, K] x B_t [E, K, N] per group of rows (offs: int32 end offsets) -> [R, N] bf16."""
+    """A [R, K] x B_t [E, K, N] per group of rows (offs: int32 end offsets) -> [R, N] bf16;
+    ``B_t`` may be expert weights FSDP2 gathered in FP8 (then only A is quantized)."""
 
     @staticmethod
     def forward(ctx, A, B_t, offs, recipe: str):
@@ -569,7 +573,7 @@ class _LowLevelGroupedMM(torch.autograd.Function):
         lens, goffs = group_lens(offs), _group_offs(offs)
         granularity, backend = ops.granularity[recipe], ops.grouped_backend
         aq, sa = _quantize(ops, A, fwd, -1 if rowwise else None)
-        bq, sb = _quantize(ops, b, fwd, b_row if rowwise else None)
+        bq, sb = _weight_operand(ops, b, fwd, b_row if rowwise else None)
         out = ops.grouped(aq, bq, sa, sb, lens, goffs, False, trans_b, torch.bfloat16, granularity, None, backend)
         if rowwise:
             aq, sa = _column_copy(ops, A, aq, sa, fwd, -1, -2)  # per k over all rows of all groups

@@ -198,10 +198,13 @@ class TorchAOBackend(Fp8Backend):
             return Verdict.no(f"TorchAO runs the torchao definition of {recipe.name!r}, not the {recipe.definition} one")
         return Verdict.yes()
 
-    def takes_gathered_fp8_weight(self, recipe: Fp8Recipe) -> Verdict:
+    def takes_gathered_fp8_weight(self, recipe: Fp8Recipe, op: Op = "linear") -> Verdict:
+        if op == "grouped_mm":
+            return Verdict.no("TorchAO's grouped GEMM (_to_fp8_rowwise_then_scaled_grouped_mm) quantizes B_t itself: "
+                              "it has no entry for a pre-quantized weight")
         return Verdict.yes("TorchAO takes it as its own Float8TrainingTensor and skips the weight cast")
 
-    def gathered_weight(self, data, scale, dtype, recipe):
+    def gathered_weight(self, data, scale, dtype, recipe, source_dtype=None):
         from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
 
         *_, mm_config = self._configs(recipe)

@@ -5,12 +5,13 @@ Model of a step under TorchTitan 0.3's FSDP2 layout on N ranks (no TP/EP/PP): ev
 block and the token embeddings are all-gathered twice (forward, and again for backward:
 ``reshard_after_forward``), the final norm and output projection once (TorchTitan keeps them
 unsharded after forward). Each rank receives (N-1)/N of every gathered tensor. bf16: 2 bytes
-per element. FP8-gathered linear weights (enable_fsdp_float8_all_gather): 1 byte per element,
-plus 4 bytes per output row for rowwise scales; tensorwise scales travel as metadata (each rank
-computes the same scale from the step's amax all-reduce, 4 bytes per weight). Which linears are
-converted follows the converter's defaults (every linear, router gates kept in high precision);
-embeddings, norms, router gates and MoE expert weights stay bf16 (FP8 all-gather of expert
-weights is not implemented).
+per element. FP8-gathered weights of linears and MoE experts (enable_fsdp_float8_all_gather):
+1 byte per element, plus 4 bytes per output row (per expert) for rowwise scales; tensorwise
+scales travel as metadata (each rank computes the same scale from the step's amax all-reduce,
+4 bytes per weight). Which layers are converted follows the converter's defaults (every linear
+and expert block, router gates kept in high precision); embeddings, norms and router gates
+stay bf16. Expert weights sharded on dim 0 (TorchTitan's choice while the FSDP degree is at
+most the number of experts; beyond it, rowwise expert weights are gathered in bf16).
 
 Shapes: TorchTitan 0.3.0 ``models/llama3/__init__.py`` (``_8b``, ``_70b``) and
 ``models/deepseek_v3/__init__.py`` (``_671b``: MLA attention, 3 dense + 58 MoE layers, 256
@@ -30,7 +31,8 @@ class Weight:
     cols: int
     count: int = 1
     """How many such tensors (e.g. per layer times layers, or experts)."""
-    fp8_linear: bool = False
+    fp8: bool = False
+    """An FP8 GEMM's weight (a converted linear's, or expert weights)."""
     gathers: int = 2
 
     @property
@@ -41,11 +43,11 @@ class Weight:
 def _llama3(layers: int, dim: int, kv_dim: int, ffn: int, vocab: int) -> list[Weight]:
     linears = [(dim, dim), (kv_dim, dim), (kv_dim, dim), (dim, dim), (ffn, dim), (ffn, dim), (dim, ffn)]
     return [
-        *(Weight(r, c, layers, fp8_linear=True) for r, c in linears),
+        *(Weight(r, c, layers, fp8=True) for r, c in linears),
         Weight(2, dim, layers),  # attention and FFN norms
         Weight(vocab, dim),  # token embeddings
         Weight(1, dim, gathers=1),  # final norm
-        Weight(vocab, dim, fp8_linear=True, gathers=1),  # output projection
+        Weight(vocab, dim, fp8=True, gathers=1),  # output projection
     ]
 
 
@@ -55,15 +57,15 @@ def _deepseek_v3_671b() -> list[Weight]:
     attention = [(q_rank, dim), (heads * (nope + rope), q_rank), (kv_rank + rope, dim),
                  (heads * (nope + v), kv_rank), (dim, heads * v)]
     return [
-        *(Weight(r, c, layers, fp8_linear=True) for r, c in attention),
+        *(Weight(r, c, layers, fp8=True) for r, c in attention),
         Weight(1, 2 * dim + q_rank + kv_rank, layers),  # attention, FFN, q and kv norms
-        *(Weight(r, c, dense, fp8_linear=True) for r, c in [(18432, dim), (18432, dim), (dim, 18432)]),
-        *(Weight(r, c, moe, fp8_linear=True) for r, c in [(2048, dim), (2048, dim), (dim, 2048)]),  # shared expert
+        *(Weight(r, c, dense, fp8=True) for r, c in [(18432, dim), (18432, dim), (dim, 18432)]),
+        *(Weight(r, c, moe, fp8=True) for r, c in [(2048, dim), (2048, dim), (dim, 2048)]),  # shared expert
         Weight(256, dim, moe),  # router gate (high precision)
-        *(Weight(r, c, moe * 256) for r, c in [(2048, dim), (2048, dim), (dim, 2048)]),  # routed experts
+        *(Weight(r, c, moe * 256, fp8=True) for r, c in [(2048, dim), (2048, dim), (dim, 2048)]),  # routed experts
         Weight(129280, dim),
         Weight(1, dim, gathers=1),
-        Weight(129280, dim, fp8_linear=True, gathers=1),
+        Weight(129280, dim, fp8=True, gathers=1),
     ]
 
 
@@ -76,10 +78,10 @@ MODELS = {
 
 def step_bytes(weights: list[Weight], ranks: int, fp8: str | None) -> float:
     """Bytes each rank receives from FSDP2 all-gathers in one step; ``fp8``: None (bf16),
-    "tensorwise" or "rowwise" for the FP8-gathered linears."""
+    "tensorwise" or "rowwise" for the FP8-gathered weights."""
     total = 0.0
     for w in weights:
-        if fp8 and w.fp8_linear:
+        if fp8 and w.fp8:
             per_gather = w.numel + (4 * w.rows * w.count if fp8 == "rowwise" else 0)
         else:
             per_gather = 2 * w.numel
@@ -95,7 +97,7 @@ def traffic_rows(ranks: int) -> list[dict]:
         for fp8 in ("tensorwise", "rowwise"):
             row[f"{fp8}_bytes"] = step_bytes(weights, ranks, fp8)
             row[f"{fp8}_ratio"] = row[f"{fp8}_bytes"] / bf16
-        row["fp8_gathered_share"] = sum(w.numel for w in weights if w.fp8_linear) / sum(w.numel for w in weights)
+        row["fp8_gathered_share"] = sum(w.numel for w in weights if w.fp8) / sum(w.numel for w in weights)
         rows.append(row)
     return rows
 

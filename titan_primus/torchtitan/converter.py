@@ -116,11 +116,11 @@ class Float8Converter(QuantizationConverter):
             decision = self.router.experts(fqn, experts.dim, experts.hidden_dim)
             if decision is None:
                 continue
-            self.router.fp8_all_gather("grouped_mm")  # reported: experts gather in bf16
             alignment = group_alignment(decision.backend_name, decision.recipe.name)
             if alignment:
                 swap_token_dispatcher(parent, alignment)  # ``parent`` is RoutedExperts.Config
             cls = fp8_experts_class(type(experts)._owner)
-            new = _copy_as(experts, cls.Config, fp8_backend=decision.backend_name, fp8_recipe=decision.recipe)
+            new = _copy_as(experts, cls.Config, fp8_backend=decision.backend_name, fp8_recipe=decision.recipe,
+                           fp8_all_gather=self.router.fp8_all_gather("grouped_mm"))
             model_config = _replace(model_config, parent, attr, new)
         return model_config

@@ -22,7 +22,13 @@ from torchtitan.distributed.parallel_dims import MeshAxisName
 
 from ..backends.base import TensorParallelShards
 from ..conversion import check_parallelism
-from ..fsdp_fp8 import enable_fp8_all_gather, fp8_all_gather_plan, register_amax_precompute_after_optimizer_steps
+from ..fsdp_fp8 import (
+    Fp8AllGatherWeight,
+    disable_fp8_all_gather,
+    enable_fp8_all_gather,
+    fp8_all_gather_plan,
+    register_amax_precompute_after_optimizer_steps,
+)
 from ..ops import run_linear
 from ..recipes import Fp8Recipe
 from ..registry import get_backend
@@ -33,21 +39,62 @@ logger = logging.getLogger("titan_primus")
 
 
 class _Fp8Module:
-    """What the FP8 modules share: the backend looked up once, at construction, and a refusal
-    of the parallelisms under which its scales would differ from one device's."""
+    """What the FP8 modules share: the backend looked up once, at construction; a refusal of
+    the parallelisms under which its scales would differ from one device's; and FP8 weight
+    all-gather under FSDP2."""
 
     covers_experts: bool
+    fp8_weight_names: tuple[str, ...]
+    """The parameters whose GEMMs run in FP8 (what FSDP2 may all-gather as FP8)."""
 
     def bind_fp8(self, config) -> None:
         self.fp8_backend = get_backend(config.fp8_backend)
         self.fp8_recipe = config.fp8_recipe
+        if config.fp8_all_gather:
+            # Wrapped at construction: TorchTitan's partial_dtensor backend calls parallelize
+            # only under tensor parallelism, and fully_shard always follows.
+            self.use_fp8_all_gather()
 
     def parallelize(self, parallel_dims) -> None:
         check_parallelism(
             type(self).__name__, parallel_dims, (self.fp8_backend, self.fp8_recipe),
             experts=self.covers_experts, passes_shards=not self.covers_experts,
         )
+        # Unwrapped before TorchTitan distributes or annotates the weights where FSDP2 is not
+        # the only one to shard them (check_parallelism refuses TP for experts, and EP for
+        # every recipe whose expert weights gather in FP8: their scales span experts), and
+        # where FSDP2 does not shard (nothing to save).
+        if self.fp8_all_gather:
+            why_not = self._why_no_fp8_all_gather()
+            if why_not:
+                _warn_no_fp8_all_gather(type(self).__name__, why_not)
+            if why_not or not parallel_dims.fsdp_enabled:
+                self.use_fp8_all_gather(False)
         super().parallelize(parallel_dims)
+
+    def _why_no_fp8_all_gather(self) -> str | None:
+        return None
+
+    @property
+    def fp8_all_gather(self) -> bool:
+        """Whether FSDP2 all-gathers this module's FP8 weights as FP8."""
+        weight = getattr(self, self.fp8_weight_names[0])
+        return isinstance(getattr(weight, "_local_tensor", weight), Fp8AllGatherWeight)
+
+    def use_fp8_all_gather(self, on: bool = True) -> None:
+        """Make FSDP2 all-gather this module's FP8 weights as FP8, or not (before fully_shard)."""
+        if not on:
+            for name in self.fp8_weight_names:
+                disable_fp8_all_gather(self, name)
+            return
+        op = "grouped_mm" if self.covers_experts else "linear"
+        plan, verdict = fp8_all_gather_plan(self.fp8_backend, self.fp8_recipe, op)
+        if plan is None:
+            raise ValueError(f"titan-primus: no FP8 all-gather for {self.extra_repr()}: {verdict.reason}")
+        for name in self.fp8_weight_names:
+            enable_fp8_all_gather(self, name, plan)
+        # TorchTitan 0.3's converters have no post-optimizer seam (0.2.x's had one).
+        register_amax_precompute_after_optimizer_steps()
 
 
 def tensor_parallel_shards(sharding_config, parallel_dims) -> TensorParallelShards | None:
@@ -68,17 +115,15 @@ def tensor_parallel_shards(sharding_config, parallel_dims) -> TensorParallelShar
 
 
 @functools.cache
-def _warn_no_fp8_all_gather(spmd_backend: str) -> None:
-    logger.warning(
-        "titan-primus: enable_fsdp_float8_all_gather needs parallelism.spmd_backend 'spmd_types' "
-        "(TorchTitan's default); with %r FSDP2 gathers the FP8 linears' weights in bf16", spmd_backend,
-    )
+def _warn_no_fp8_all_gather(module: str, why: str) -> None:
+    logger.warning("titan-primus: enable_fsdp_float8_all_gather: FSDP2 gathers the %s weights in bf16: %s", module, why)
 
 
 class Fp8Linear(_Fp8Module, Linear):
     """``Linear`` whose GEMMs run in FP8 on a titan-primus backend."""
 
     covers_experts = False
+    fp8_weight_names = ("weight",)
     fp8_shards: TensorParallelShards | None = None
 
     @dataclass(kw_only=True, slots=True)
@@ -93,28 +138,13 @@ class Fp8Linear(_Fp8Module, Linear):
     def __init__(self, config: Config):
         super().__init__(config)
         self.bind_fp8(config)
-        self.fp8_all_gather = config.fp8_all_gather
 
     def parallelize(self, parallel_dims) -> None:
         self.fp8_shards = tensor_parallel_shards(self._sharding_config, parallel_dims)
-        # Wrapped only where FSDP2 shards the weight, before fully_shard (which follows
-        # parallelize) and before TorchTitan annotates it (spmd_types; the DTensor backends,
-        # which distribute the weight first, are not supported: it is gathered in bf16 there).
-        if self.fp8_all_gather and parallel_dims.fsdp_enabled and self.fp8_shards is None:
-            if parallel_dims.spmd_backend == "spmd_types":
-                self.use_fp8_all_gather()
-            else:
-                _warn_no_fp8_all_gather(parallel_dims.spmd_backend)
         super().parallelize(parallel_dims)
 
-    def use_fp8_all_gather(self) -> None:
-        """Make FSDP2 all-gather this layer's weight as FP8 (call before fully_shard)."""
-        plan, verdict = fp8_all_gather_plan(self.fp8_backend, self.fp8_recipe)
-        if plan is None:
-            raise ValueError(f"titan-primus: no FP8 all-gather for {self.extra_repr()}: {verdict.reason}")
-        enable_fp8_all_gather(self, "weight", plan)
-        # TorchTitan 0.3's converters have no post-optimizer seam (0.2.x's had one).
-        register_amax_precompute_after_optimizer_steps()
+    def _why_no_fp8_all_gather(self) -> str | None:
+        return "tensor parallelism shards them first" if self.fp8_shards is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Local shapes: under tensor parallelism x and the weight are this rank's shards, and
@@ -136,11 +166,13 @@ def fp8_experts_class(parent_cls: type[GroupedExperts]) -> type[GroupedExperts]:
 
     class Fp8GroupedExperts(_Fp8Module, parent_cls):  # type: ignore[valid-type, misc]
         covers_experts = True
+        fp8_weight_names = ("w1_EFD", "w2_EDF", "w3_EFD")
 
         @dataclass(kw_only=True, slots=True)
         class Config(parent_cls.Config):  # type: ignore[misc, name-defined]
             fp8_backend: str
             fp8_recipe: Fp8Recipe
+            fp8_all_gather: bool = False
 
         def __init__(self, config: Config):
             super().__init__(config)

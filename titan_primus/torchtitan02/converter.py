@@ -3,6 +3,7 @@ meta model so linears and MoE experts run their GEMMs on the best FP8 backend he
 
 from __future__ import annotations
 
+
 import logging
 
 from torch import nn
@@ -89,9 +90,7 @@ class Float8Converter:
         if decision:
             check_parallelism(Fp8Linear.__name__, self.parallel_dims, decision, experts=False)
             # Only where FSDP2 shards the weight (tensor parallelism is refused above).
-            fp8_gather = self.router.fp8_all_gather("linear") and self.parallel_dims.fsdp_enabled
-            plan = fp8_all_gather_plan(decision.backend, decision.recipe)[0] if fp8_gather else None
-            _swap(model, fqn, Fp8Linear.from_linear(linear, decision, plan))
+            _swap(model, fqn, Fp8Linear.from_linear(linear, decision, self._all_gather_plan("linear", decision)))
 
     def _convert_experts(self, model: nn.Module, fqn: str, experts: GroupedExperts) -> None:
         unconvertible = None
@@ -101,13 +100,22 @@ class Float8Converter:
         decision = self.router.experts(fqn, dim, hidden_dim, unconvertible=unconvertible)
         if not decision:
             return
-        self.router.fp8_all_gather("grouped_mm")  # reported: experts gather in bf16
         check_parallelism(Fp8GroupedExperts.__name__, self.parallel_dims, decision, experts=True)
         alignment = group_alignment(decision.backend_name, decision.recipe.name)
         if alignment:
             # TorchTitan 0.2 pads token groups to one global multiple (its EP dispatch reads it too).
             set_token_group_alignment_size_m(alignment)
-        _swap(model, fqn, Fp8GroupedExperts.from_experts(experts, decision, alignment))
+        plan = self._all_gather_plan("grouped_mm", decision)
+        _swap(model, fqn, Fp8GroupedExperts.from_experts(experts, decision, alignment, plan))
+
+    def _all_gather_plan(self, op, decision):
+        """The FP8 all-gather plan for ``op``'s weights, where FSDP2 shards them. Tensor and
+        expert parallelism never reach here with one: check_parallelism refuses TP for these
+        layers, and EP for every recipe whose expert weights gather in FP8 (tensorwise, and
+        Primus-Turbo's rowwise: their scales span experts)."""
+        if not self.router.fp8_all_gather(op) or not self.parallel_dims.fsdp_enabled:
+            return None
+        return fp8_all_gather_plan(decision.backend, decision.recipe, op)[0]
 
     def post_optimizer_hook(self, model) -> None:
         """Refresh the whole-weight amaxes of the weights FSDP2 gathers as tensorwise FP8: one
@@ -115,3 +123,4 @@ class Float8Converter:
         per GEMM call)."""
         parts = model if isinstance(model, list) else [model]
         precompute_fp8_weight_amaxes(p for part in parts for p in part.parameters())
+

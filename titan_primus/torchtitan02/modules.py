@@ -60,13 +60,20 @@ class Fp8GroupedExperts(GroupedExperts):
     """
 
     @classmethod
-    def from_experts(cls, experts: GroupedExperts, decision: RoutingDecision, group_alignment: int | None):
+    def from_experts(
+        cls, experts: GroupedExperts, decision: RoutingDecision, group_alignment: int | None,
+        all_gather: Fp8AllGatherPlan | None = None,
+    ):
+        """``all_gather``: FSDP2 gathers w1/w2/w3 as FP8 per this plan (None: bf16)."""
         num_experts, hidden_dim, dim = experts.w1.shape
         with torch.device("meta"):
             fp8 = cls(dim, hidden_dim, num_experts, experts.use_grouped_mm)
         fp8.w1, fp8.w2, fp8.w3 = experts.w1, experts.w2, experts.w3
         fp8.fp8_backend, fp8.fp8_recipe = decision.backend, decision.recipe
         fp8.pad_token_groups = group_alignment is not None
+        if all_gather is not None:
+            for name in ("w1", "w2", "w3"):
+                enable_fp8_all_gather(fp8, name, all_gather)
         return fp8.train(experts.training)
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
