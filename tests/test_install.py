@@ -54,6 +54,8 @@ REGISTRY = {
     "pluggy": [("1.7.0", [])],
     "tqdm": [("4.67.1", [])],
     "pytest": [("9.0.1", ["pluggy>=1.5"])],
+    "pytest-xdist": [("3.8.0", ["execnet>=2.1", "pytest>=7"])],
+    "execnet": [("2.1.2", [])],
     "pyyaml": [("6.0.3", [])],
     "matplotlib": [("3.10.7", [])],
 }
@@ -137,10 +139,22 @@ def planned(report: dict) -> dict[str, str]:
     return {_normalise(i["metadata"]["name"]): i["metadata"]["version"] for i in report["install"]}
 
 
-def project_needs(*extras: str) -> set[str]:
-    """Distributions the project itself requires for ``extras`` (outside the ROCm stack)."""
-    requirements = PROJECT["dependencies"] + [r for e in extras for r in PROJECT["optional-dependencies"][e]]
+def _names(requirements) -> set[str]:
     return {_normalise(re.split(r"[ ;<>=!~\[]", r, maxsplit=1)[0]) for r in requirements}
+
+
+def project_needs(*extras: str) -> set[str]:
+    """Distributions the project requires for ``extras``, with what those require in turn (the
+    registry's metadata: pytest-xdist brings execnet)."""
+    needed = _names(PROJECT["dependencies"] + [r for e in extras for r in PROJECT["optional-dependencies"][e]])
+    registry = {_normalise(name): releases for name, releases in REGISTRY.items()}
+    todo = list(needed)
+    while todo:
+        for _, requires in registry.get(todo.pop(), []):
+            new = _names(requires) - needed
+            needed |= new
+            todo += new
+    return needed
 
 
 @pytest.mark.parametrize("extras", [(), ("torchtitan02", "test")], ids=lambda e: "+".join(e) or "core")

@@ -31,8 +31,8 @@ def test_fp8_training_tracks_bf16_and_learns(tmp_path):
 @pytest.mark.parametrize(
     "model, bf16_config, fp8_config",
     [
+        # deepseek_v3's expert weights: tests/test_converter.py round-trips its DCP checkpoints.
         ("llama3", "llama3_debugmodel", "llama3_debugmodel_fp8"),
-        ("deepseek_v3", "deepseek_v3_debugmodel", "deepseek_v3_debugmodel_fp8"),
     ],
 )
 def test_checkpoints_resume_across_bf16_and_fp8(model, bf16_config, fp8_config, tmp_path):
@@ -57,14 +57,3 @@ def test_override_route_on_a_stock_config(tmp_path):
     )
     assert "recipe tensorwise" in log and "linears: 31 -> emulated" in log
     assert len(losses) == 2
-
-
-def test_torchtitan_compile_enable_with_the_converter(tmp_path):
-    """TorchTitan's --compile.enable (each block fullgraph) on the MoE debug model with the
-    converter, against the same run in eager mode. Compiled FP8 blocks match eager to FP8's own
-    noise (see test_compile.py); measured loss gap at most 0.008% over 3 steps (seq 128); bound 1%."""
-    compiled, log = run_trainer("titan_primus", "deepseek_v3_debugmodel_fp8", tmp_path / "c", 3, "--compile.enable")
-    eager, _ = run_trainer("titan_primus", "deepseek_v3_debugmodel_fp8", tmp_path / "e", 3)
-    assert "Compiling each TransformerBlock with torch.compile" in log
-    for step in eager:
-        assert abs(compiled[step] - eager[step]) <= 0.01 * eager[step], (step, compiled[step], eager[step])

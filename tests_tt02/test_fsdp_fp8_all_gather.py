@@ -25,7 +25,7 @@ def test_converter_wraps_weights_only_where_fsdp_gathers_them_exactly(recipe, fs
 
 
 @pytest.mark.trainer
-@pytest.mark.parametrize("model", ["llama3", "deepseek_v3"])
+@pytest.mark.parametrize("model", ["llama3", pytest.param("deepseek_v3", marks=pytest.mark.oldest)])
 def test_fp8_all_gather_matches_it_off(model, tmp_path):
     """Losses printed to 5 decimals are equal (the bitwise check is tests/test_fsdp_fp8_all_gather.py);
     the amaxes are refreshed by the converter's post_optimizer_hook."""
@@ -40,6 +40,7 @@ def test_fp8_all_gather_matches_it_off(model, tmp_path):
 
 
 @pytest.mark.trainer
+@pytest.mark.oldest
 def test_checkpoint_with_fp8_all_gather_resumes_on_one_rank_without_it(tmp_path):
     toml, dump = EXAMPLES / "llama3_debug_fp8.toml", tmp_path / "run"
     ckpt = ("--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.exclude_from_loading", "dataloader")
