@@ -78,10 +78,11 @@ def run_trainer(
     """TorchTitan 0.2's real trainer through the CPU launcher (``nproc`` ranks, gloo); returns
     ({step: loss}, log)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    launcher = [sys.executable] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    # Always torchrun, one rank too: its standalone rendezvous binds its own port, where a plain
+    # launch (cpu_world picks a free port, then releases it) can lose the port to a concurrent test.
     cmd = [
-        *launcher, str(EXAMPLES / "cpu_launch.py"), "--job.config_file", str(toml),
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+        str(EXAMPLES / "cpu_launch.py"), "--job.config_file", str(toml),
         "--training.steps", str(steps), "--training.seq_len", str(seq_len), "--training.local_batch_size", "2",
         "--job.dump_folder", str(dump), "--debug.seed", "42", *extra,
     ]
