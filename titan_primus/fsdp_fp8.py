@@ -327,9 +327,9 @@ class Fp8AllGatherWeight(torch.Tensor):
         if high_precision:
             _warn_high_precision(tuple(outer_size), high_precision)
             return (_pad_rows(self._tensor.to(param_dtype), padded_rows),), (_HIGH_PRECISION, tuple(outer_size), None)
+        _announce()  # once: the log shows the FP8 all-gather ran
         # Quantized from the values the GEMM would receive: FSDP2 casts to param_dtype, the layer
         # may cast again (expert weights to bf16); rounding is monotone, so the amax follows.
-        _announce()  # once: the log shows the FP8 all-gather ran
         dtypes = (param_dtype, plan.quantize_dtype or param_dtype)
         shard = self._tensor.to(dtypes[0]).to(dtypes[1])
         amax = None
