@@ -130,6 +130,11 @@ class Fp8Recipe:
     bit only where scales are not powers of two."""
     block_scale: BlockScaleRule | None = None
     """The scale rule of the block-scaled casts (block recipes only)."""
+    sixteen_bit_gemms: bool = False
+    """Every FP8 GEMM writes bfloat16 or float16 only (Primus-Turbo: v0.2.0's CK and hipBLASLt
+    checks; from v0.3.0 no backend of ``kernels/gemm/gemm_fp8_impl.py`` takes float32 output), so a
+    float32 linear gets a bfloat16 result upcast, and its backward quantizes the gradient of that
+    result: the float32 gradient rounded to bfloat16."""
 
     @property
     def block_scaled(self) -> bool:
@@ -150,9 +155,19 @@ class Fp8Recipe:
     def dtype(self, cast: OperandCast) -> torch.dtype:
         return self.e4m3 if cast.fmt == "e4m3" else self.e5m2
 
+    def gemm_out_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype the kernels write a GEMM result in when the layer computes in ``dtype``."""
+        return sixteen_bit(dtype) if self.sixteen_bit_gemms else dtype
+
     def describe(self) -> str:
         fmt = str(self.e4m3).removeprefix("torch.float8_")
         return f"{self.name} ({self.definition} definition, {fmt})"
+
+
+def sixteen_bit(dtype: torch.dtype) -> torch.dtype:
+    """``dtype`` where it is bfloat16 or float16, else bfloat16: what a GEMM that writes 16-bit
+    results only writes for a layer computing in ``dtype``."""
+    return dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
 
 
 def _gemms(
@@ -173,7 +188,8 @@ _MX = OperandCast("e4m3", "block", (1, 32))
 _MX_2D = OperandCast("e4m3", "block", (32, 32))
 
 _TORCHAO = {"pow2_scales": True}
-_PRIMUS = {"pow2_scales": False, "grouped_wgrad_per_group": False, "backward_from_fp8": True, "reciprocal_scales": True}
+_PRIMUS = {"pow2_scales": False, "grouped_wgrad_per_group": False, "backward_from_fp8": True, "reciprocal_scales": True,
+           "sixteen_bit_gemms": True}
 _PRIMUS_V02 = {**_PRIMUS, "backward_from_fp8": False}
 
 # (recipe, definition) -> (output, grad_input, grad_weight casts), options
@@ -201,13 +217,13 @@ _TABLE: dict[tuple[str, str], tuple[tuple[GemmCasts, GemmCasts, GemmCasts], dict
     # v0.4.0: weights in 32x32 blocks (ScalingRecipe(use_2d_block=True)), everything from the
     # high-precision tensors, "even" E8M0 rounding.
     ("mxfp8", "primus_turbo"): (
-        _gemms((_MX, _MX_2D), (_MX, _MX_2D), (_MX, _MX)), {"pow2_scales": False, "block_scale": BlockScaleRule("e8m0", rounding="even")},
+        _gemms((_MX, _MX_2D), (_MX, _MX_2D), (_MX, _MX)), {"pow2_scales": False, "block_scale": BlockScaleRule("e8m0", rounding="even"), "sixteen_bit_gemms": True},
     ),
     # Float8QuantConfig(format=E4M3, granularity=BLOCKWISE, block_size=128): Triton quantizers with
     # amax floored at 1e-4, float32 math; weights in 128x128 blocks, reused by dgrad.
     ("blockwise", "primus_turbo"): (
         _gemms((_TILE128, _BLOCK128), (_TILE128, _BLOCK128), (_TILE128, _TILE128)),
-        {"pow2_scales": False, "block_scale": BlockScaleRule("fp32", amax_eps=1e-4)},
+        {"pow2_scales": False, "block_scale": BlockScaleRule("fp32", amax_eps=1e-4), "sixteen_bit_gemms": True},
     ),
 }
 # v0.2.0-v0.3.0 run the same blockwise numerics; their MX GEMMs differ (no grouped MX, v0.2.0

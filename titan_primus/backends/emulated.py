@@ -56,12 +56,13 @@ def _gemm_result(out: torch.Tensor, gemm: GemmCasts, recipe: Fp8Recipe, dtype: t
     GEMM with a rowwise-scaled operand in bfloat16 and casts float16/float32 results from there
     (torchao/float8/float8_ops.py: ``preprocess_addmm`` repeats a tensorwise scale beside a
     rowwise one, ``addmm_float8_unwrapped`` then asks torch._scaled_mm, which has no float32
-    output for rowwise scales, for bfloat16), so even its float32 linears round through bfloat16."""
+    output for rowwise scales, for bfloat16), so even its float32 linears round through bfloat16;
+    Primus-Turbo's GEMMs write 16-bit results only (``Fp8Recipe.sixteen_bit_gemms``)."""
     fp8 = gemm.a.fmt is not None and gemm.b.fmt is not None
     rowwise = fp8 and "rowwise" in (gemm.a.granularity, gemm.b.granularity)
     if rowwise and recipe.definition == "torchao" and dtype != torch.bfloat16:
         out = out.to(torch.bfloat16)
-    return out.to(dtype)
+    return out.to(recipe.gemm_out_dtype(dtype)).to(dtype)
 
 
 class _EmulatedLinear(torch.autograd.Function):
@@ -102,13 +103,16 @@ class _EmulatedLinear(torch.autograd.Function):
         x = _backward_source(x, recipe.output.a, recipe, 1, *xs)
         weight = _backward_source(weight, recipe.output.b, recipe, 1, *ws)
         grad_x = grad_w = grad_b = None
+        # The gradient of the GEMM's output as the kernels wrote it (16-bit for Primus-Turbo);
+        # the bias, added after the GEMM, takes grad_out itself.
+        grad_gemm = grad_out.to(recipe.gemm_out_dtype(grad_out.dtype))
         if ctx.needs_input_grad[0]:
             c = recipe.grad_input  # [M, N] @ [N, K]: contract over N
-            grad_x = fake_quantize(grad_out, c.a, recipe, 1, *gs) @ _cast(weight, c.b, recipe, 0, *ws)
+            grad_x = fake_quantize(grad_gemm, c.a, recipe, 1, *gs) @ _cast(weight, c.b, recipe, 0, *ws)
             grad_x = _gemm_result(grad_x, c, recipe, x.dtype)
         if ctx.needs_input_grad[1]:
             c = recipe.grad_weight  # [N, M] @ [M, K]: contract over M
-            grad_w = fake_quantize(grad_out, c.a, recipe, 0, *gs).t() @ fake_quantize(x, c.b, recipe, 0, *xs)
+            grad_w = fake_quantize(grad_gemm, c.a, recipe, 0, *gs).t() @ fake_quantize(x, c.b, recipe, 0, *xs)
             grad_w = _gemm_result(grad_w, c, recipe, x.dtype).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad_out.to(torch.float32).sum(0).to(grad_out.dtype)

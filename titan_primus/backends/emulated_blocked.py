@@ -59,9 +59,9 @@ class _BlockedLinear(torch.autograd.Function):
             ctx.recipe, ctx.has_bias = recipe, bias is not None
             c = recipe.output  # [M, K] @ [N, K]^T
             out = _cast(x, c.a, recipe) @ _cast(weight, c.b, recipe).t()
-            if bias is not None:
-                out = out + bias.to(torch.float32)
-            return out.to(out_dtype)
+            out = out.to(recipe.gemm_out_dtype(out_dtype)).to(out_dtype)
+            # Bias is added in the output's dtype, after the GEMM, as the backends add it.
+            return out if bias is None else out + bias.to(out_dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -69,12 +69,17 @@ class _BlockedLinear(torch.autograd.Function):
         recipe = ctx.recipe
         grad_x = grad_w = grad_b = None
         with _no_autocast(grad_out):
+            # The gradient of the GEMM's output as the kernels wrote it (16-bit for Primus-Turbo).
+            gemm_dtype = recipe.gemm_out_dtype(grad_out.dtype)
+            grad_gemm = grad_out.to(gemm_dtype)
             if ctx.needs_input_grad[0]:
                 c = recipe.grad_input  # [M, N] @ [K, N]^T: contract over N
-                grad_x = (_cast(grad_out, c.a, recipe) @ _cast(weight.t(), c.b, recipe).t()).to(x.dtype)
+                grad_x = _cast(grad_gemm, c.a, recipe) @ _cast(weight.t(), c.b, recipe).t()
+                grad_x = grad_x.to(gemm_dtype).to(x.dtype)
             if ctx.needs_input_grad[1]:
                 c = recipe.grad_weight  # [N, M] @ [K, M]^T: contract over M
-                grad_w = (_cast(grad_out.t(), c.a, recipe) @ _cast(x.t(), c.b, recipe).t()).to(weight.dtype)
+                grad_w = _cast(grad_gemm.t(), c.a, recipe) @ _cast(x.t(), c.b, recipe).t()
+                grad_w = grad_w.to(gemm_dtype).to(weight.dtype)
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 grad_b = grad_out.to(torch.float32).sum(0).to(grad_out.dtype)
         return grad_x, grad_w, grad_b, None

@@ -58,7 +58,7 @@ import torch
 from ..device import DeviceProfile
 from ..fsdp_fp8 import Fp8GatheredWeight
 from ..grouping import group_lens, zero_trailing_rows
-from ..recipes import RECIPE_NAMES, Fp8Recipe, has_definition, make_recipe
+from ..recipes import RECIPE_NAMES, Fp8Recipe, has_definition, make_recipe, sixteen_bit
 from .base import Fp8Backend, Op, Verdict
 
 __all__ = ["PrimusTurboBackend", "CONFIG_MODULES", "OPS_MODULE", "LOW_LEVEL_OPS", "load_api"]
@@ -283,13 +283,6 @@ def _require_api() -> _TurboApi:
     return api
 
 
-def _gemm_out_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Every Primus-Turbo FP8 GEMM writes bf16/fp16 only (v0.2.0: the CK/hipBLASLt checks;
-    v0.3.0+: no backend takes fp32 output). fp32 activations get a bf16 result upcast to fp32:
-    the same rounding TorchAO's rowwise GEMM does, so the output dtype is x's on every backend."""
-    return dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
-
-
 class PrimusTurboBackend(Fp8Backend):
     name = "primus_turbo"
     recipes = RECIPE_NAMES  # rowwise_with_gw_hp is refused in supports(), with the reason
@@ -459,7 +452,7 @@ def _group_offs(offs: torch.Tensor) -> torch.Tensor:
 
 
 def _gemm(api: _TurboApi, x: torch.Tensor, weight: torch.Tensor, recipe: str) -> torch.Tensor:
-    out = api.gemm_fp8(x, weight, trans_a=False, trans_b=True, out_dtype=_gemm_out_dtype(x.dtype),
+    out = api.gemm_fp8(x, weight, trans_a=False, trans_b=True, out_dtype=sixteen_bit(x.dtype),
                        config=api.configs[recipe])
     return out.to(x.dtype)
 
@@ -528,7 +521,7 @@ class _LowLevelLinear(torch.autograd.Function):
         ops, (fwd, bwd) = api.low_level, api.formats(recipe)
         rowwise = recipe == "rowwise"
         row, col = (-1, -2) if rowwise else (None, None)
-        granularity, backend, out_dtype = ops.granularity[recipe], ops.dense_backend[recipe], _gemm_out_dtype(x.dtype)
+        granularity, backend, out_dtype = ops.granularity[recipe], ops.dense_backend[recipe], sixteen_bit(x.dtype)
         xq, sx = _quantize(ops, x, fwd, row)
         wq, sw = _weight_operand(ops, weight, fwd, row)
         out = ops.gemm(xq, sx, False, wq, sw, True, out_dtype, False, granularity, backend)
@@ -548,7 +541,7 @@ class _LowLevelLinear(torch.autograd.Function):
         granularity, backend = ops.granularity[ctx.recipe], ops.dense_backend[ctx.recipe]
         # The gradient of the kernel's 16-bit output, as Primus-Turbo's own autograd (the eager
         # path) receives it when fp32 activations get a bf16 result upcast.
-        out_dtype = _gemm_out_dtype(grad.dtype)
+        out_dtype = sixteen_bit(grad.dtype)
         grad = grad.to(out_dtype)
         gq, sg = _quantize(ops, grad, bwd, row)
         grad_x = ops.gemm(gq, sg, False, wq, sw, False, out_dtype, False, granularity, backend)  # [M, K]
