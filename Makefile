@@ -5,7 +5,8 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 # One thread per process: on 2-core machines 2 threads made training steps 3-15x slower.
-RUN    := OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TORCHINDUCTOR_CACHE_DIR=$(CURDIR)/.venv/inductor-cache
+# $(call run,VENV): inductor's cache lives in the venv whose torch compiled it (and goes with it).
+run     = OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TORCHINDUCTOR_CACHE_DIR=$(CURDIR)/$(1)/inductor-cache
 
 # Test processes (pytest-xdist): one per core, at most 4 (a TorchTitan trainer test runs up to two
 # ranks of its own).
@@ -38,10 +39,10 @@ $(STAMP): pyproject.toml
 	touch $@
 
 test: $(STAMP)
-	$(RUN) $(PY) $(PYTEST)
+	$(call run,$(VENV)) $(PY) $(PYTEST)
 
 demo: $(STAMP)
-	$(RUN) $(PY) examples/demo.py $(if $(RECIPE),--recipe $(RECIPE))
+	$(call run,$(VENV)) $(PY) examples/demo.py $(if $(RECIPE),--recipe $(RECIPE))
 
 # TorchTitan 0.2.x and 0.3 cannot share a venv: tests_tt02 runs in its own, built the same way.
 VENV_TT02  := .venv-tt02
@@ -58,7 +59,7 @@ $(STAMP_TT02): pyproject.toml
 	touch $@
 
 test-tt02: $(STAMP_TT02)
-	$(RUN) $(PY_TT02) $(PYTEST) tests_tt02
+	$(call run,$(VENV_TT02)) $(PY_TT02) $(PYTEST) tests_tt02
 
 # The TorchTitan 0.2.x suite again, on the oldest supported torch and torchao: every test but the
 # trainer runs, of which the ones marked ``oldest`` (FSDP2 with FP8 all-gather on deepseek_v3, a
@@ -76,7 +77,7 @@ $(STAMP_OLDEST): pyproject.toml Makefile
 	touch $@
 
 test-oldest: $(STAMP_OLDEST)
-	$(RUN) $(PY_OLDEST) $(PYTEST) tests_tt02 -m "not trainer or oldest"
+	$(call run,$(VENV_OLDEST)) $(PY_OLDEST) $(PYTEST) tests_tt02 -m "not trainer or oldest"
 
 clean:
 	rm -rf $(VENV) $(VENV_TT02) $(VENV_OLDEST) outputs .pytest_cache
