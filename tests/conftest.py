@@ -10,6 +10,10 @@ os.environ.setdefault("TITAN_PRIMUS_DISABLE_PLUGIN_AUTOLOAD", "1")
 
 from isolation import _seed_and_fresh_routing  # noqa: E402,F401  (autouse fixture)
 
+# The tier on Primus-Turbo's own code imports one Primus-Turbo build per process: `make
+# test-turbo` runs it once per build and architecture (tests/real_turbo/conftest.py).
+collect_ignore = [] if os.environ.get("TITAN_PRIMUS_TURBO_BUILD") else ["real_turbo"]
+
 
 def pytest_collection_modifyitems(config, items):
     """Real-hardware tests run only where that hardware is (the MI300X / CUDA CI workflows)."""

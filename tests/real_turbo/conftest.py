@@ -1,0 +1,61 @@
+"""The real-code tier: titan-primus against Primus-Turbo's own Python and Triton code.
+
+One Primus-Turbo build and one architecture per process (Primus-Turbo registers its custom ops
+and picks its FP8 formats at import): ``make test-turbo`` runs this folder once per build and
+architecture, with
+
+- ``TITAN_PRIMUS_TURBO_BUILD``: a folder name under the sources (v0.3.1, v0.3.2.dev48, v0.4.0,
+  v0.4.1.dev26);
+- ``TITAN_PRIMUS_TURBO_ARCH``: gfx942 (MI300X, FNUZ FP8) or gfx950 (MI355X, OCP FP8);
+- ``TITAN_PRIMUS_TURBO_SOURCES``: the folder holding the builds, default ``../shared/primus-turbo``
+  beside the repository;
+- ``TRITON_INTERPRET=1``, set before Triton is imported.
+
+Where the sources are absent every test here is skipped with that reason.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from real_turbo import loader, stand_ins
+
+REPO = Path(__file__).resolve().parents[2]
+SOURCES = Path(os.environ.get("TITAN_PRIMUS_TURBO_SOURCES", REPO.parent / "shared" / "primus-turbo"))
+BUILD = os.environ.get("TITAN_PRIMUS_TURBO_BUILD", "")
+ARCH = os.environ.get("TITAN_PRIMUS_TURBO_ARCH", "gfx942")
+
+
+def _load():
+    if BUILD not in stand_ins.BUILDS:
+        return None, f"TITAN_PRIMUS_TURBO_BUILD={BUILD!r}: choose one of {', '.join(stand_ins.BUILDS)}"
+    if not (SOURCES / BUILD / "primus_turbo").is_dir():
+        return None, (f"Primus-Turbo {BUILD} sources not found at {SOURCES / BUILD} "
+                      f"(set TITAN_PRIMUS_TURBO_SOURCES to the folder holding the builds)")
+    return loader.load(SOURCES / BUILD, ARCH), None
+
+
+TURBO, SKIP_REASON = _load()
+
+
+def pytest_report_header(config):
+    if TURBO is None:
+        return f"Primus-Turbo real-code tier: skipped ({SKIP_REASON})"
+    return f"Primus-Turbo real-code tier: build {BUILD} from {SOURCES / BUILD}, {ARCH}, Triton interpreter"
+
+
+def pytest_collection_modifyitems(config, items):
+    if TURBO is None:
+        for item in items:
+            item.add_marker(pytest.mark.skip(reason=SKIP_REASON))
+
+
+@pytest.fixture
+def device():
+    """titan-primus's profile of the architecture Primus-Turbo was imported for."""
+    import titan_primus as tp
+
+    return tp.device_profile(ARCH)

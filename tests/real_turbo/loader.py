@@ -1,0 +1,132 @@
+"""Import one build of Primus-Turbo's own Python package on a CPU, as an MI300X (gfx942) or an
+MI355X (gfx950) would see it (../shared/reference/primus-turbo-interpreter.md).
+
+One build and one architecture per process: Primus-Turbo registers its ``primus_turbo::`` custom
+ops and picks its FP8 formats once, at import. What is supplied, and why:
+
+- the compiled extension ``primus_turbo.pytorch._C`` (and ``_C.deep_ep``, ``_C.runtime``): empty
+  modules; the HIP ops it would register are the stand-ins (stand_ins.py);
+- the device queries Primus-Turbo makes at import and per call
+  (``torch.cuda.get_device_properties(torch.cuda.current_device())``: compute capability 9.4 is
+  gfx942, 9.5 gfx950; ``multi_processor_count`` sizes the persistent grids). ``is_available``
+  stays False: torch.compile would go looking for a driver, and titan-primus is told the device
+  through its profile instead;
+- ``flydsl`` (imported at module top from v0.4.0; no registry release has what it needs): an
+  inert stub. FlyDSL kernels are gfx950-only and never a default on the FP8 GEMM paths;
+- ``torch.library.custom_op(..., device_types="cuda")``: "cpu" added, so Primus-Turbo's
+  low-level ops run on CPU tensors;
+- Triton's interpreter, patched (interpreter.py).
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+import types
+from pathlib import Path
+
+import torch
+
+from . import interpreter, stand_ins
+
+ARCHS = {"gfx942": (9, 4, "AMD Instinct MI300X"), "gfx950": (9, 5, "AMD Instinct MI355X")}
+COMPUTE_UNITS = 8  # keeps the persistent grids (one program per CU) small under the interpreter
+
+
+class _Inert(type):
+    """Any attribute, call, subscript or subclass of an inert stub is another inert stub."""
+
+    def __getattr__(cls, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Inert(name, (), {})
+
+    def __call__(cls, *args, **kwargs):
+        if len(args) == 1 and callable(args[0]) and not kwargs:
+            return args[0]  # used as a decorator
+        return _Inert(cls.__name__, (), {})
+
+    def __getitem__(cls, item):
+        return _Inert(cls.__name__, (), {})
+
+
+class _InertModule(types.ModuleType):
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Inert(name, (), {})
+
+
+class _InertFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def __init__(self, *roots: str):
+        self.roots = roots
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname.split(".")[0] in self.roots:
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        module = _InertModule(spec.name)
+        module.__path__ = []
+        return module
+
+    def exec_module(self, module):
+        pass
+
+
+def _fake_device(arch: str) -> None:
+    major, minor, name = ARCHS[arch]
+    props = types.SimpleNamespace(
+        major=major, minor=minor, name=name, gcnArchName=f"{arch}:sramecc+:xnack-",
+        multi_processor_count=COMPUTE_UNITS, total_memory=192 * 2**30, warp_size=64,
+    )
+    torch.cuda.get_device_properties = lambda device=None: props
+    torch.cuda.current_device = lambda: 0
+
+
+def _empty_extension() -> None:
+    for name in ("primus_turbo.pytorch._C", "primus_turbo.pytorch._C.deep_ep", "primus_turbo.pytorch._C.runtime"):
+        module = types.ModuleType(name)
+        module.__path__ = []
+        sys.modules[name] = module
+    sys.modules["primus_turbo.pytorch._C.deep_ep"].Config = type("Config", (), {})
+    sys.modules["primus_turbo.pytorch._C.deep_ep"].EventHandle = type("EventHandle", (), {})
+    sys.modules["primus_turbo.pytorch._C"].deep_ep = sys.modules["primus_turbo.pytorch._C.deep_ep"]
+    sys.modules["primus_turbo.pytorch._C"].runtime = sys.modules["primus_turbo.pytorch._C.runtime"]
+
+
+def _custom_ops_on_cpu() -> None:
+    original = torch.library.custom_op
+
+    def custom_op(name, fn=None, /, *, mutates_args, device_types=None, schema=None, **kwargs):
+        if device_types is not None:
+            types_ = [device_types] if isinstance(device_types, str) else list(device_types)
+            device_types = types_ + ["cpu"] if "cpu" not in types_ else types_
+        return original(name, fn, mutates_args=mutates_args, device_types=device_types, schema=schema, **kwargs)
+
+    torch.library.custom_op = custom_op
+
+
+def load(source: Path, arch: str):
+    """Import the Primus-Turbo build in ``source`` (a folder holding ``primus_turbo/``) as on
+    ``arch``; returns ``primus_turbo.pytorch``. Once per process."""
+    if "primus_turbo" in sys.modules:
+        raise RuntimeError("a Primus-Turbo build is already imported in this process")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("TRITON_INTERPRET=1 must be set before triton is imported")
+    interpreter.install()
+    _fake_device(arch)
+    _empty_extension()
+    sys.meta_path.insert(0, _InertFinder("flydsl"))
+    _custom_ops_on_cpu()
+    stand_ins.register(source.name)
+    sys.path.insert(0, str(source))
+    import primus_turbo
+    import primus_turbo.pytorch as turbo
+
+    # A built wheel carries its version (setuptools-scm's _version.py); the shared sources do not.
+    primus_turbo.__version__ = source.name.removeprefix("v")
+    return turbo

@@ -1,0 +1,196 @@
+"""Which Primus-Turbo is installed: its API surface, told apart by signatures, and its build.
+
+titan-primus drives Primus-Turbo from v0.3.1 on, the releases whose Python and Triton code its
+test tier runs (tests/real_turbo: v0.3.1, v0.3.2.dev48, v0.4.0, v0.4.1.dev26). Three API
+surfaces matter, each named by the oldest build that has it:
+
+- ``v0.3.1``: ``grouped_gemm_fp8(out_dtype=)``; dense rowwise GEMMs on hipBLASLt falling back
+  to CK, dense blockwise on CK (``ops/gemm_fp8.py``);
+- ``v0.3.2.dev48`` (AMD's rocm/primus v26.5 ships it): ``FP8GemmTensorFunction`` takes a
+  pre-quantized ``a_t`` / ``b_t``; dense rowwise and blockwise GEMMs default to Triton; gfx950
+  tensorwise backward runs NT-layout GEMMs on transposed FP8 copies;
+- ``v0.4.0``: ``grouped_gemm_fp8_impl(group_offs_out=)``; grouped MX GEMMs.
+
+Older releases are refused with the reason: their Python code cannot be run here, so a rule
+about them would be a guess.
+
+Primus-Turbo is imported only after the hardware check says the device is MI300-class: its
+import needs a ROCm GPU and its compiled extension.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import re
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+__all__ = ["SURFACES", "TurboApi", "UnsupportedRelease", "load_api", "describe_build", "INSTALL_HINT"]
+
+SURFACES = ("v0.3.1", "v0.3.2.dev48", "v0.4.0")
+OLDEST = SURFACES[0]
+INSTALL_HINT = "build it from source against ROCm (github.com/AMD-AGI/Primus-Turbo)"
+
+CONFIG_MODULE = "primus_turbo.pytorch.core.low_precision"
+BACKEND_MODULE = "primus_turbo.pytorch.core.backend"
+GEMM_OPS_MODULE = "primus_turbo.pytorch.ops.gemm_fp8"
+QUANT_MODULE = "primus_turbo.pytorch.kernels.quantization.quantization_impl"
+GEMM_IMPL_MODULE = "primus_turbo.pytorch.kernels.gemm.gemm_fp8_impl"
+GROUPED_IMPL_MODULE = "primus_turbo.pytorch.kernels.grouped_gemm.grouped_gemm_fp8_impl"
+
+# Builds AMD ships in its images (release notes of rocm/primus), named beside the version.
+_KNOWN_BUILDS = {
+    "0.3.2.dev48": "AMD rocm/primus v26.5",
+    "0.4.1.dev26": "AMD rocm/primus v26.6",
+}
+
+
+class UnsupportedRelease(Exception):
+    """An importable Primus-Turbo this adapter does not drive."""
+
+
+def describe_build(version: str) -> str:
+    """A build's version as a person reads it: setuptools-scm names a build N commits past tag
+    vX.Y.Z as X.Y.(Z+1).devN; ``0.3.2.dev48`` -> ``0.3.2.dev48 (v0.3.1 + 48 commits, AMD
+    rocm/primus v26.5)``."""
+    match = re.fullmatch(r"(\d+)\.(\d+)\.(\d+)\.dev(\d+)(?:\+.*)?", version)
+    if not match:
+        return version
+    major, minor, patch, commits = (int(g) for g in match.groups())
+    base = f"v{major}.{minor}.{patch - 1}" if patch else f"the last tag before {major}.{minor}.0"
+    notes = [f"{base} + {commits} commits"]
+    if version.split("+")[0] in _KNOWN_BUILDS:
+        notes.append(_KNOWN_BUILDS[version.split("+")[0]])
+    return f"{version} ({', '.join(notes)})"
+
+
+@dataclass(frozen=True)
+class TurboApi:
+    """The pieces of one installed Primus-Turbo that titan-primus calls."""
+
+    surface: str
+    """The oldest build with this API surface: one of SURFACES."""
+    version: str
+    """``primus_turbo.__version__`` (the build)."""
+    enums: ModuleType
+    """``core/low_precision.py``: Format, ScalingGranularity, ScalingRecipe, Float8QuantConfig."""
+    backend_type: type
+    quant: ModuleType
+    """``kernels/quantization/quantization_impl.py``: the quantizers its autograd Functions call."""
+    gemm: object
+    """``primus_turbo::gemm_fp8_impl``."""
+    grouped: object
+    """``primus_turbo::grouped_gemm_fp8_impl``."""
+    grouped_variable_k: object
+    """``primus_turbo::grouped_gemm_fp8_variable_k_impl``."""
+    float8_e4m3: torch.dtype
+    float8_e5m2: torch.dtype
+    user_backends: tuple[str, ...]
+    """Backends the environment asks Primus-Turbo for (``PRIMUS_TURBO_GEMM_BACKEND``,
+    ``PRIMUS_TURBO_GROUPED_GEMM_BACKEND``, ``PRIMUS_TURBO_AUTO_TUNE=1`` as "AUTOTUNE"), read at load."""
+    origami: bool
+    """The optional ``origami`` package is importable: Primus-Turbo's gfx950 grouped kernels then
+    take its tile proposals, BLOCK_K up to 256 (``triton/utils/origami.py``)."""
+
+    def at_least(self, surface: str) -> bool:
+        return SURFACES.index(self.surface) >= SURFACES.index(surface)
+
+    @property
+    def build(self) -> str:
+        return describe_build(self.version)
+
+    def formats(self, recipe: str) -> tuple[torch.dtype, torch.dtype]:
+        """(forward, grad_output) FP8 dtypes: Format.HYBRID for tensorwise, else Format.E4M3."""
+        return self.float8_e4m3, (self.float8_e5m2 if recipe == "tensorwise" else self.float8_e4m3)
+
+
+def _import_optional(name: str) -> ModuleType | None:
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+def _surface(enums: ModuleType, gemm_ops: ModuleType, grouped_impl) -> str:
+    if not hasattr(enums, "Float8QuantConfig") or "scale_dtype" not in inspect.signature(enums.Float8QuantConfig).parameters:
+        raise UnsupportedRelease(_too_old("its Float8QuantConfig has no scale_dtype (v0.2.x)"))
+    grouped = importlib.import_module("primus_turbo.pytorch").ops.grouped_gemm_fp8
+    if "out_dtype" not in inspect.signature(grouped).parameters:
+        raise UnsupportedRelease(_too_old("its grouped_gemm_fp8 has no out_dtype (v0.3.0)"))
+    if "group_offs_out" in [a.name for a in grouped_impl._opoverload._schema.arguments]:
+        return "v0.4.0"
+    if "a_t" in inspect.signature(gemm_ops.FP8GemmTensorFunction.forward).parameters:
+        return "v0.3.2.dev48"
+    return "v0.3.1"
+
+
+def _too_old(why: str) -> str:
+    return (f"this Primus-Turbo is older than {OLDEST} ({why}); titan-primus drives {OLDEST} and later, "
+            f"the releases its tests run Primus-Turbo's own code for; upgrade Primus-Turbo")
+
+
+def _user_backends(backend_module: ModuleType) -> tuple[str, ...]:
+    manager, precision = backend_module.GlobalBackendManager, backend_module.PrecisionType.FP8
+    names, autotune = set(), manager.auto_tune_enabled()
+    for asked in (manager.get_gemm_backend(precision), manager.get_grouped_gemm_backend(precision)):
+        # A BackendType, or (from v0.4.1.dev26) a BackendChoice(backend, auto_tune).
+        backend = getattr(asked, "backend", asked)
+        autotune |= bool(getattr(asked, "auto_tune", False))
+        if backend is not None:
+            names.add(backend.name)
+    return tuple(sorted(names)) + (("AUTOTUNE",) if autotune else ())
+
+
+def _load() -> TurboApi:
+    if _import_optional(CONFIG_MODULE) is None and _import_optional("primus_turbo.pytorch.core.float8"):
+        raise UnsupportedRelease(_too_old("its config enums live in core.float8 (v0.1.x)"))
+    turbo = importlib.import_module("primus_turbo.pytorch")
+    enums = importlib.import_module(CONFIG_MODULE)
+    backend_module = importlib.import_module(BACKEND_MODULE)
+    grouped_impl = importlib.import_module(GROUPED_IMPL_MODULE)
+    surface = _surface(enums, importlib.import_module(GEMM_OPS_MODULE), grouped_impl.grouped_gemm_fp8_impl)
+    return TurboApi(
+        surface=surface,
+        version=str(getattr(importlib.import_module("primus_turbo"), "__version__", "unknown")),
+        enums=enums,
+        backend_type=backend_module.BackendType,
+        quant=importlib.import_module(QUANT_MODULE),
+        gemm=importlib.import_module(GEMM_IMPL_MODULE).gemm_fp8_impl,
+        grouped=grouped_impl.grouped_gemm_fp8_impl,
+        grouped_variable_k=grouped_impl.grouped_gemm_fp8_variable_k_impl,
+        float8_e4m3=turbo.float8_e4m3,
+        float8_e5m2=turbo.float8_e5m2,
+        user_backends=_user_backends(backend_module),
+        origami=importlib.util.find_spec("origami") is not None,
+    )
+
+
+_LOADED: list = []
+"""[the loaded API or why it cannot be used], once loaded. A plain global rather than a cache
+decorator so that torch.compile traces the lookup instead of the loading."""
+
+
+def load_api(fresh: bool = False) -> TurboApi | str:
+    """The installed Primus-Turbo's API, or why it cannot be used. Loaded once; ``fresh`` reads
+    the installation and the environment anew (a new backend instance does)."""
+    if fresh:
+        _LOADED.clear()
+    if not _LOADED:
+        try:
+            _LOADED.append(_load())
+        except UnsupportedRelease as e:
+            _LOADED.append(str(e))
+        except Exception as e:  # its import can fail in many ways without a GPU / _C extension
+            _LOADED.append(f"Primus-Turbo is not importable ({type(e).__name__}: {e}); {INSTALL_HINT}")
+    return _LOADED[0]
+
+
+def require_api() -> TurboApi:
+    api = load_api()
+    if isinstance(api, str):
+        raise RuntimeError(api)
+    return api
