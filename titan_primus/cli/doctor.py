@@ -17,6 +17,7 @@ import torch
 from .. import __version__, registry
 from ..adapter_import import installed_version
 from ..backends.base import OPS
+from ..backends.primus_turbo.release import describe_build
 from ..device import DeviceProfile, detect_device, device_profile
 from ..recipes import RECIPE_NAMES
 from .report import SCHEMA_VERSION, markdown_table
@@ -147,6 +148,8 @@ def _version_rows(diagnosis: dict) -> list[list[str]]:
     }
     rows = [[name, version or missing.get(name, "not installed")] for name, version in found.items()]
     turbo = next(row for row in rows if row[0] == "primus-turbo")
+    if found["primus-turbo"]:
+        turbo[1] = describe_build(found["primus-turbo"])  # a dev build: the tag and commits it is past
     turbo[1] += f"; here: {diagnosis['primus_turbo']}"
     return rows
 

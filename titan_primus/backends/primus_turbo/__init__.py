@@ -28,9 +28,9 @@ from ...grouping import zero_trailing_rows
 from ...recipes import RECIPE_NAMES, Fp8Recipe, has_definition, make_recipe
 from ..base import Fp8Backend, Op, Verdict
 from . import mx
-from .autograd import GRANULARITY, TurboGroupedMM, TurboLinear
-from .release import TurboApi, describe_build, load_api
-from .rules import min_token_rows, refusal
+from .autograd import TurboGroupedMM, TurboLinear
+from .release import TurboApi, describe_build, load_api, require_api
+from .rules import refusal
 
 __all__ = ["PrimusTurboBackend", "load_api", "describe_build"]
 
@@ -46,11 +46,6 @@ class PrimusTurboBackend(Fp8Backend):
     def _api(self) -> TurboApi | str:
         """The loaded API, or why it cannot be used."""
         return load_api()
-
-    @cached_property
-    def _min_rows(self) -> dict[str, int]:
-        api = self._api
-        return {recipe: min_token_rows(api, recipe) for recipe in GRANULARITY} if isinstance(api, TurboApi) else {}
 
     def rank(self, device: DeviceProfile) -> int:
         return 300 if device.mi300_class else 0
@@ -124,7 +119,7 @@ class PrimusTurboBackend(Fp8Backend):
             out = mx.linear(x, weight)
         else:
             rows = x.shape[0]
-            minimum = self._min_rows[recipe.name]
+            minimum = require_api().min_rows[recipe.name]
             if rows < minimum:
                 # The wgrad contracts over tokens: zero rows up to the Triton kernels' minimum
                 # (exact: they add nothing to any product or scale, and their outputs are dropped).

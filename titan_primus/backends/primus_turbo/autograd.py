@@ -72,16 +72,41 @@ def _weight_forward(api: TurboApi, weight: torch.Tensor, dtype: torch.dtype, rec
     return _quantize(api, weight, dtype, recipe, axis)
 
 
-def _weight_backward(api: TurboApi, weight: torch.Tensor, dtype: torch.dtype, recipe: str, axis: int,
-                     new_axis: int):
-    """The FP8 weight backward reads, made again from the weight: tensorwise and blockwise reuse
-    the forward copy; rowwise re-quantizes it dequantized along the other dim."""
-    q, scale_inv = _weight_forward(api, weight, dtype, recipe, axis)
+@torch.library.custom_op("titan_primus::primus_turbo_weight_for_backward", mutates_args=())
+def _weight_for_backward(
+    weight: torch.Tensor, scale_inv: torch.Tensor | None, grad: torch.Tensor, recipe: str, fp8_dtype: torch.dtype,
+    source_dtype: torch.dtype, axis: int, new_axis: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The FP8 weight backward reads, made again from the weight (``scale_inv`` given: ``weight``
+    is the FP8 payload FSDP2 gathered): tensorwise and blockwise use the forward cast; rowwise
+    re-quantizes it dequantized, along the other dim.
+
+    Under torch.compile the joint graph would otherwise keep an FP8 weight copy from forward to
+    backward: a custom op of its own, so it is not merged with the forward's identical cast, and
+    taking the incoming gradient (unused), so the partitioner cannot place it in the forward. Its
+    fake implementation is the same code, on Primus-Turbo's fake implementations."""
+    api = require_api()
+    if scale_inv is None:
+        q, scale_inv = _weight_forward(api, weight, fp8_dtype, recipe, axis)
+    else:
+        q = weight
     if recipe != "rowwise":
         return q, scale_inv
-    source_dtype = weight._source_dtype if isinstance(weight, Fp8GatheredWeight) else weight.dtype
     source = api.quant.dequantize_fp8_rowwise_impl(q, source_dtype, axis % q.dim(), scale_inv)
-    return _quantize(api, source, dtype, "rowwise", new_axis)
+    return _quantize(api, source, fp8_dtype, "rowwise", new_axis)
+
+
+_weight_for_backward.register_fake(_weight_for_backward._init_fn)
+
+
+def _weight_backward(weight: torch.Tensor, grad: torch.Tensor, fp8_dtype: torch.dtype, recipe: str, axis: int,
+                     new_axis: int):
+    if not isinstance(weight, Fp8GatheredWeight):
+        return _weight_for_backward(weight, None, grad, recipe, fp8_dtype, weight.dtype, axis, new_axis)
+    if recipe == "tensorwise":  # the gathered payload itself, FSDP2's storage
+        return weight.fp8_data(), weight.scale_inv()
+    return _weight_for_backward(weight.fp8_data(), weight.scale_inv(), grad, recipe, fp8_dtype, weight._source_dtype,
+                                axis, new_axis)
 
 
 def _nt_backward(api: TurboApi, trans_b: bool) -> bool:
@@ -123,7 +148,7 @@ class TurboLinear(torch.autograd.Function):
         # The gradient of the kernel's 16-bit output (fp32 layers get a bf16 result upcast).
         out_dtype = sixteen_bit(grad.dtype)
         grad = grad.to(out_dtype).contiguous()
-        wq, sw = _weight_backward(api, weight, fwd, recipe, -1, -2)
+        wq, sw = _weight_backward(weight, grad, fwd, recipe, -1, -2)
         if recipe == "blockwise":
             gq, sg, g_col, sg_col = api.quant.quant_fp8_blockwise_dual_impl(grad, bwd, block_size=BLOCKWISE_SIZE)
         else:
@@ -195,7 +220,7 @@ class TurboGroupedMM(torch.autograd.Function):
         granularity, backend = _granularity(api, recipe), _backend(api, _GROUPED_BACKEND)
         b_row, b_col = (-1, -2) if trans_b else (-2, -1)
         grad = grad.contiguous()
-        bq, sb = _weight_backward(api, b, fwd, recipe, b_row, b_col)
+        bq, sb = _weight_backward(b, grad, fwd, recipe, b_row, b_col)
         vk_lens, vk_offs = lens, goffs
         if recipe == "blockwise":
             gq, g_col, sg, sg_col, vk_lens, vk_offs = api.quant.quant_fp8_blockwise_segment_m_row_col_impl(

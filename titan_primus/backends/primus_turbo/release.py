@@ -24,7 +24,7 @@ import importlib
 import importlib.util
 import inspect
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from types import ModuleType
 
 import torch
@@ -95,6 +95,8 @@ class TurboApi:
     origami: bool
     """The optional ``origami`` package is importable: Primus-Turbo's gfx950 grouped kernels then
     take its tile proposals, BLOCK_K up to 256 (``triton/utils/origami.py``)."""
+    min_rows: dict[str, int] = field(default_factory=dict)
+    """Rows a linear's input is zero-padded to, per recipe (``rules.min_token_rows``)."""
 
     def at_least(self, surface: str) -> bool:
         return SURFACES.index(self.surface) >= SURFACES.index(surface)
@@ -153,7 +155,7 @@ def _load() -> TurboApi:
     backend_module = importlib.import_module(BACKEND_MODULE)
     grouped_impl = importlib.import_module(GROUPED_IMPL_MODULE)
     surface = _surface(enums, importlib.import_module(GEMM_OPS_MODULE), grouped_impl.grouped_gemm_fp8_impl)
-    return TurboApi(
+    api = TurboApi(
         surface=surface,
         version=str(getattr(importlib.import_module("primus_turbo"), "__version__", "unknown")),
         enums=enums,
@@ -167,6 +169,9 @@ def _load() -> TurboApi:
         user_backends=_user_backends(backend_module),
         origami=importlib.util.find_spec("origami") is not None,
     )
+    from .rules import min_token_rows
+
+    return replace(api, min_rows={recipe: min_token_rows(api, recipe) for recipe in ("tensorwise", "rowwise", "blockwise")})
 
 
 _LOADED: list = []

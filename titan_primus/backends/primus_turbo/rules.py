@@ -30,11 +30,15 @@ Sources (``primus_turbo/`` at each build):
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ...device import DeviceProfile
 from ..base import Op
-from .release import TurboApi
 
-__all__ = ["refusal", "min_token_rows", "ALIGNMENT", "BLOCK_RECIPES", "MX_MIN_SURFACE"]
+if TYPE_CHECKING:
+    from .release import TurboApi
+
+__all__ = ["refusal", "min_token_rows", "dense_backend", "ALIGNMENT", "BLOCK_RECIPES", "MX_MIN_SURFACE"]
 
 ALIGNMENT = 16
 CK_ALIGNMENT = 32

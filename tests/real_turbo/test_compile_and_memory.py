@@ -1,0 +1,139 @@
+"""The Primus-Turbo path under ``torch.compile(fullgraph=True)`` equals eager bit for bit and
+runs three FP8 GEMMs per op per step; what it keeps from forward to backward is the weight
+itself and FP8 activations, never a copy of the weight (Primus-Turbo's own ops keep one)."""
+
+import sys
+
+import pytest
+import torch
+
+import titan_primus as tp
+from real_turbo.conftest import ARCH, TURBO
+from real_turbo.test_same_as_turbo import CudaLooking, _config, _grads
+from titan_primus.backends.primus_turbo.autograd import group_offsets
+from titan_primus.grouping import group_lens
+
+RECIPES = ("tensorwise", "rowwise", "blockwise")
+GEMMS = ("gemm_fp8_impl", "grouped_gemm_fp8_impl", "grouped_gemm_fp8_variable_k_impl")
+
+
+def _decision(op, recipe):
+    return tp.select_backend(op, recipe, ARCH, "primus_turbo", k=256, n=512)
+
+
+def _linear(recipe):
+    decision = _decision("linear", recipe)
+    return lambda x, w: decision.backend.linear(x, w, None, decision.recipe)
+
+
+OFFS = torch.tensor([24, 24, 64], dtype=torch.int32)  # an empty expert, no trailing rows
+
+
+def _grouped(recipe):
+    decision = _decision("grouped_mm", recipe)
+    return lambda A, W: decision.backend.grouped_mm(A, W.transpose(-2, -1), OFFS, decision.recipe)
+
+
+def _inputs(op):
+    if op == "linear":
+        return torch.randn(64, 256, dtype=torch.bfloat16), torch.randn(512, 256, dtype=torch.bfloat16)
+    return torch.randn(64, 256, dtype=torch.bfloat16), torch.randn(3, 512, 256, dtype=torch.bfloat16)
+
+
+DISPATCHERS = {  # module -> the dispatcher classes its GEMM custom ops run through
+    "primus_turbo.pytorch.kernels.gemm.gemm_fp8_impl": ("GEMMFP8KernelDispatcher",),
+    "primus_turbo.pytorch.kernels.grouped_gemm.grouped_gemm_fp8_impl": (
+        "GroupedGEMMFP8KernelDispatcher", "GroupedGEMMFP8VariableKKernelDispatcher"),
+}
+
+
+def _gemm_launches(fn, *inputs, monkeypatch):
+    """``_grads(fn, *inputs)`` and the FP8 GEMMs it launched: the calls into the kernel
+    dispatchers behind Primus-Turbo's ``primus_turbo::*_impl`` custom ops, eager or compiled."""
+    launches = []
+    for module, classes in DISPATCHERS.items():
+        for name in classes:
+            dispatcher = getattr(sys.modules[module], name)
+            real = dispatcher.dispatch.__func__
+
+            def counted(cls, *args, _name=name, _real=real, **kwargs):
+                launches.append(_name)
+                return _real(cls, *args, **kwargs)
+
+            monkeypatch.setattr(dispatcher, "dispatch", classmethod(counted))
+    return _grads(fn, *inputs), launches
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("op", ["linear", "grouped_mm"])
+def test_compiled_equals_eager_with_three_gemms(op, recipe, monkeypatch):
+    fn = _linear(recipe) if op == "linear" else _grouped(recipe)
+    inputs = _inputs(op)
+    eager = _grads(fn, *inputs)
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    graph, launches = _gemm_launches(compiled, *inputs, monkeypatch=monkeypatch)
+    for a, b in zip(eager, graph):
+        assert torch.equal(a, b)
+    assert len(launches) == 3, launches
+
+
+class SavedTensors:
+    """What autograd keeps from forward to backward (``saved_tensors_hooks``)."""
+
+    def __init__(self):
+        self.saved = []
+
+    def __enter__(self):
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.hooks.__exit__(*exc)
+
+    def _pack(self, t):
+        self.saved.append(t)
+        return t
+
+    def copies_of(self, weight) -> int:
+        """Bytes of saved tensors as large as ``weight`` (in elements) that are not its storage."""
+        storage = weight.untyped_storage().data_ptr()
+        return sum(
+            t.numel() * t.element_size() for t in self.saved
+            if t.numel() >= weight.numel() and t.untyped_storage().data_ptr() != storage
+        )
+
+    def fp8_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.saved if t.element_size() == 1)
+
+
+def _turbo_own(op, recipe):
+    if op == "linear":
+        return lambda x, w: TURBO.ops.gemm_fp8(x, w, trans_b=True, out_dtype=torch.bfloat16, config=_config(recipe))
+    lens = group_lens(OFFS).as_subclass(CudaLooking)
+    return lambda A, W: TURBO.ops.grouped_gemm_fp8(A, W, lens, group_offs=group_offsets(OFFS), trans_b=True,
+                                                   out_dtype=torch.bfloat16, config=_config(recipe))
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("op", ["linear", "grouped_mm"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_no_weight_copy_is_kept_for_backward(op, recipe, compiled):
+    """The weight (512 x 256: larger than the activation) is saved as itself; the activation as
+    FP8. Primus-Turbo's own autograd Functions keep an FP8 copy of the weight: one byte per
+    weight element, which under FSDP2 stays resident for every layer from its forward to its
+    backward."""
+    fn = _linear(recipe) if op == "linear" else _grouped(recipe)
+    x, w = (t.clone().requires_grad_() for t in _inputs(op))
+    if compiled:
+        torch._dynamo.reset()
+        fn = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    with SavedTensors() as ours:
+        fn(x, w)
+    assert ours.copies_of(w) == 0
+    assert ours.fp8_bytes() >= x.numel()  # the activation's FP8 copy (and, blockwise, its scales)
+    if not compiled:
+        with SavedTensors() as theirs:
+            _turbo_own(op, recipe)(x, w)
+        assert theirs.copies_of(w) >= w.numel()  # what the adapter no longer keeps

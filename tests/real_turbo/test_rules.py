@@ -1,0 +1,187 @@
+"""Every Primus-Turbo shape rule at its edge, against Primus-Turbo's own kernels: just inside,
+titan-primus routes the op there and it runs (no ``tl.assume`` fails, nothing non-finite comes
+back); just outside, titan-primus routes it elsewhere with the reason, and Primus-Turbo's own op
+fails there (the interpreter checks ``tl.assume``; on a GPU it is undefined behaviour)."""
+
+import pytest
+import torch
+from triton.runtime import errors as triton_errors
+
+import titan_primus as tp
+from real_turbo.conftest import ARCH, BUILD, TURBO
+from real_turbo.test_same_as_turbo import CudaLooking, _config, _grads
+from titan_primus.backends.primus_turbo import load_api
+from titan_primus.backends.primus_turbo.autograd import group_offsets
+from titan_primus.grouping import group_lens
+
+TRITON_DENSE = BUILD != "v0.3.1"  # rowwise dense GEMMs run on Triton from v0.3.2.dev48
+
+
+ASSUME_FAILED = (AssertionError, triton_errors.InterpreterError)
+
+
+def _route(op, recipe, k, n):
+    return tp.select_backend(op, recipe, ARCH, k=k, n=n)
+
+
+def _refusal(op, recipe, k, n) -> str:
+    """Why routing passes over Primus-Turbo for these dims ("" where it takes it)."""
+    verdict = tp.registry.get_backend("primus_turbo").supports(op, recipe, tp.device_profile(ARCH), k=k, n=n)
+    return "" if verdict else verdict.reason
+
+
+def _turbo_linear(recipe, x, w):
+    out_dtype = x.dtype if x.dtype != torch.float32 else torch.bfloat16
+    return _grads(lambda a, b: TURBO.ops.gemm_fp8(a, b, trans_b=True, out_dtype=out_dtype, config=_config(recipe)), x, w)
+
+
+def _ours_linear(recipe, x, w):
+    decision = tp.select_backend("linear", recipe, ARCH, "primus_turbo", k=x.shape[1], n=w.shape[0])
+    return _grads(lambda a, b: decision.backend.linear(a, b, None, decision.recipe), x, w)
+
+
+def _finite(*tensors):
+    return all(torch.isfinite(t).all() for t in tensors)
+
+
+def test_release_is_detected_from_signatures():
+    api = load_api()
+    expected = {"v0.3.1": "v0.3.1", "v0.3.2.dev48": "v0.3.2.dev48", "v0.4.0": "v0.4.0", "v0.4.1.dev26": "v0.4.0"}
+    assert api.surface == expected[BUILD]
+    assert api.version == BUILD.removeprefix("v")
+    assert api.float8_e4m3 == (torch.float8_e4m3fnuz if ARCH == "gfx942" else torch.float8_e4m3fn)
+
+
+def test_doctor_names_the_build():
+    names = {
+        "v0.3.1": "0.3.1",
+        "v0.3.2.dev48": "0.3.2.dev48 (v0.3.1 + 48 commits, AMD rocm/primus v26.5)",
+        "v0.4.0": "0.4.0",
+        "v0.4.1.dev26": "0.4.1.dev26 (v0.4.0 + 26 commits, AMD rocm/primus v26.6)",
+    }
+    assert load_api().build == names[BUILD]
+    from titan_primus.cli.doctor import diagnose, render
+
+    assert f"Primus-Turbo {names[BUILD]} on {ARCH}" in render(diagnose(device=ARCH))
+
+
+# ---- dense Triton GEMMs: tl.assume(loop_k > 1) over K, N and the token count ------------------------
+
+
+@pytest.mark.skipif(not TRITON_DENSE, reason="v0.3.1 runs rowwise dense GEMMs on CK")
+def test_dense_contraction_k_at_the_edge():
+    w = torch.randn(256, 256, dtype=torch.bfloat16)
+    assert _route("linear", "rowwise", 256, 256).backend_name == "primus_turbo"
+    assert _finite(*_ours_linear("rowwise", torch.randn(256, 256, dtype=torch.bfloat16), w))
+    assert "loop_k > 1" in _refusal("linear", "rowwise", 240, 256)
+    with pytest.raises(ASSUME_FAILED, match="Assume failed"):
+        _turbo_linear("rowwise", torch.randn(256, 240, dtype=torch.bfloat16), torch.randn(256, 240, dtype=torch.bfloat16))
+
+
+@pytest.mark.skipif(not TRITON_DENSE, reason="v0.3.1 runs rowwise dense GEMMs on CK")
+def test_dense_contraction_n_is_refused_under_256():
+    """The dgrad contracts over N: BLOCK_K 64 there on gfx942, 128 on gfx950."""
+    assert "N=240" in _refusal("linear", "rowwise", 256, 240)
+    x, w = torch.randn(256, 256, dtype=torch.bfloat16), torch.randn(240, 256, dtype=torch.bfloat16)
+    if ARCH == "gfx950":
+        with pytest.raises(ASSUME_FAILED, match="Assume failed"):
+            _turbo_linear("rowwise", x, w)
+    x, w = torch.randn(256, 256, dtype=torch.bfloat16), torch.randn(112, 256, dtype=torch.bfloat16)
+    with pytest.raises(ASSUME_FAILED, match="Assume failed"):  # under 2 x 64 on either
+        _turbo_linear("rowwise", x, w)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
+@pytest.mark.parametrize("tokens", [1, 7, 64, 255, 256, 300])
+def test_any_number_of_tokens(recipe, tokens):
+    """The wgrad contracts over tokens: rows are zero-padded to the kernels' minimum, which is
+    exact (the result equals Primus-Turbo's own op on the padded input, sliced)."""
+    x, w = torch.randn(tokens, 256, dtype=torch.bfloat16), torch.randn(256, 256, dtype=torch.bfloat16)
+    ours = _ours_linear(recipe, x, w)
+    assert _finite(*ours) and ours[0].shape == (tokens, 256)
+    rows = max(tokens, 256) if recipe != "blockwise" and (TRITON_DENSE or recipe == "tensorwise") else tokens
+    padded = torch.cat([x, x.new_zeros(rows - tokens, 256)])
+    leaves = [padded.clone().requires_grad_(), w.clone().requires_grad_()]
+    out_dtype = torch.bfloat16
+    theirs = TURBO.ops.gemm_fp8(*leaves, trans_b=True, out_dtype=out_dtype, config=_config(recipe))
+    grad = torch.randn(ours[0].shape, generator=torch.Generator().manual_seed(7)).to(out_dtype)
+    theirs.backward(torch.cat([grad, grad.new_zeros(rows - tokens, 256)]))
+    assert torch.equal(ours[0], theirs[:tokens].detach())
+    assert torch.equal(ours[1], leaves[0].grad[:tokens]) and torch.equal(ours[2], leaves[1].grad)
+
+
+@pytest.mark.skipif(not TRITON_DENSE, reason="v0.3.1 runs rowwise dense GEMMs on CK")
+def test_primus_turbos_own_op_fails_on_few_tokens():
+    """What the padding avoids: 64 tokens under the wgrad's two BLOCK_K steps."""
+    x, w = torch.randn(64, 256, dtype=torch.bfloat16), torch.randn(256, 256, dtype=torch.bfloat16)
+    with pytest.raises(ASSUME_FAILED, match="Assume failed"):
+        _turbo_linear("rowwise", x, w)
+
+
+# ---- CK (v0.3.1's rowwise dense GEMMs): contraction dims % 32 ------------------------------------------
+
+
+@pytest.mark.skipif(TRITON_DENSE, reason="CK runs rowwise dense GEMMs at v0.3.1 only")
+def test_ck_alignment_at_the_edge():
+    assert _route("linear", "rowwise", 288, 256).backend_name == "primus_turbo"
+    assert _finite(*_ours_linear("rowwise", torch.randn(64, 288, dtype=torch.bfloat16), torch.randn(256, 288, dtype=torch.bfloat16)))
+    assert "divisible by 32" in _refusal("linear", "rowwise", 272, 256)
+    with pytest.raises(Exception, match="multiple of 32"):
+        _turbo_linear("rowwise", torch.randn(64, 272, dtype=torch.bfloat16), torch.randn(256, 272, dtype=torch.bfloat16))
+
+
+# ---- grouped Triton GEMMs: tl.assume(loop_k > 1) over K and N ------------------------------------------
+
+
+def _turbo_grouped(recipe, A, W, counts):
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    lens = group_lens(offs).as_subclass(CudaLooking)
+    return _grads(lambda a, w: TURBO.ops.grouped_gemm_fp8(
+        a, w, lens, group_offs=group_offsets(offs), trans_b=True, out_dtype=torch.bfloat16, config=_config(recipe)), A, W)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
+def test_grouped_contraction_at_the_edge(recipe):
+    inside = _route("grouped_mm", recipe, 256, 256)
+    assert inside.backend_name == "primus_turbo"
+    counts, A = [24, 0, 40], torch.randn(64, 256, dtype=torch.bfloat16)
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    W = torch.randn(3, 256, 256, dtype=torch.bfloat16)
+    got = _grads(lambda a, w: inside.backend.grouped_mm(a, w.transpose(-2, -1), offs, inside.recipe), A, W)
+    assert _finite(*got)
+    small = 128 if recipe == "blockwise" else 240  # blockwise needs K % 128
+    for k, n in ((small, 256), (256, small)):
+        assert "loop_k > 1" in _refusal("grouped_mm", recipe, k, n)
+    with pytest.raises(ASSUME_FAILED, match="Assume failed"):  # K (forward)
+        _turbo_grouped(recipe, torch.randn(64, small, dtype=torch.bfloat16), torch.randn(3, 256, small, dtype=torch.bfloat16), counts)
+
+
+# ---- 16-bit output, fp32 activations, rows past the groups -----------------------------------------------
+
+
+def test_the_kernels_write_16_bit_output_only():
+    x, w = torch.randn(256, 256), torch.randn(256, 256)
+    with pytest.raises(ValueError, match="No compatible backend"):
+        TURBO.ops.gemm_fp8(x, w, trans_b=True, out_dtype=torch.float32, config=_config("rowwise"))
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
+def test_fp32_activations_keep_their_dtype(recipe):
+    x, w = torch.randn(64, 256), torch.randn(256, 256) * 0.05
+    out, grad_x, grad_w = _ours_linear(recipe, x, w)
+    assert (out.dtype, grad_x.dtype, grad_w.dtype) == (torch.float32,) * 3
+    assert torch.equal(out, out.bfloat16().float())  # a bf16 result, upcast
+    assert _finite(out, grad_x, grad_w)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
+def test_rows_past_the_groups(recipe):
+    """Primus-Turbo leaves output rows past the last group unwritten before v0.4.0 (torch.empty;
+    v0.4.0 zeroes them, grouped_gemm_output_tail_kernel); through titan-primus they are zero, as
+    are their gradients, at every build."""
+    decision = _route("grouped_mm", recipe, 256, 256)
+    offs = torch.tensor([30, 40], dtype=torch.int32)
+    A, W = torch.randn(64, 256, dtype=torch.bfloat16), torch.randn(2, 256, 256, dtype=torch.bfloat16)
+    out, grad_A, grad_W = _grads(lambda a, w: decision.backend.grouped_mm(a, w.transpose(-2, -1), offs, decision.recipe), A, W)
+    assert _finite(out, grad_A, grad_W)
+    assert (out[40:] == 0).all() and (grad_A[40:] == 0).all()
