@@ -25,7 +25,7 @@ OLDEST_TORCHTITAN := 0.2.2
 # the module is missing, so a ROCm Triton is never replaced.
 ensure_triton = $(1) -c "import triton" 2>/dev/null || $(1) -m pip install -q triton
 
-.PHONY: setup test test-tt02 test-oldest demo clean
+.PHONY: setup test test-turbo test-tt02 test-oldest demo clean
 
 setup: $(STAMP)
 
@@ -40,6 +40,23 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)
 	$(call run,$(VENV)) $(PY) $(PYTEST)
+	$(MAKE) --no-print-directory test-turbo
+
+# The tier on Primus-Turbo's own Python and Triton code (tests/real_turbo), under Triton's
+# interpreter: one process per build and architecture (Primus-Turbo registers its ops and picks
+# its FP8 formats at import). TITAN_PRIMUS_TURBO_SOURCES overrides where the builds are
+# (default ../shared/primus-turbo); where they are absent the tier is skipped with that reason.
+TURBO_BUILDS := v0.3.1 v0.3.2.dev48 v0.4.0 v0.4.1.dev26
+TURBO_ARCHS  := gfx942 gfx950
+# The build AMD's rocm/primus v26.5 image ships beside TorchTitan 0.2.2.
+TURBO_BUILD_TT02 := v0.3.2.dev48
+turbo_run = TRITON_INTERPRET=1 TITAN_PRIMUS_TURBO_BUILD=$(1) TITAN_PRIMUS_TURBO_ARCH=$(2)
+
+test-turbo: $(STAMP)
+	@set -e; for build in $(TURBO_BUILDS); do for arch in $(TURBO_ARCHS); do \
+		echo "== Primus-Turbo $$build on $$arch (its own code, Triton interpreter)"; \
+		$(call turbo_run,$$build,$$arch) $(call run,$(VENV)) $(PY) $(PYTEST) tests/real_turbo; \
+	done; done
 
 demo: $(STAMP)
 	$(call run,$(VENV)) $(PY) examples/demo.py $(if $(RECIPE),--recipe $(RECIPE))
@@ -60,6 +77,10 @@ $(STAMP_TT02): pyproject.toml
 
 test-tt02: $(STAMP_TT02)
 	$(call run,$(VENV_TT02)) $(PY_TT02) $(PYTEST) tests_tt02
+	@set -e; for arch in $(TURBO_ARCHS); do \
+		echo "== TorchTitan 0.2.x adapter on Primus-Turbo $(TURBO_BUILD_TT02) on $$arch (its own code, Triton interpreter)"; \
+		$(call turbo_run,$(TURBO_BUILD_TT02),$$arch) $(call run,$(VENV_TT02)) $(PY_TT02) $(PYTEST) tests_tt02/real_turbo; \
+	done
 
 # The TorchTitan 0.2.x suite again, on the oldest supported torch and torchao: every test but the
 # trainer runs, of which the ones marked ``oldest`` (FSDP2 with FP8 all-gather on deepseek_v3, a

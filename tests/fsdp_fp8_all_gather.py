@@ -6,9 +6,9 @@ weights are bitwise equal, and the bytes all-gathered per step, counted at the c
 of it) and at the FP8 hooks (the FP8 weights' payload).
 
 Usage: fsdp_fp8_all_gather.py MODEL RECIPE DEVICE_PROFILE BACKEND STEPS [OPTIONS...]
-OPTIONS: ``double=VERSION`` (install the Primus-Turbo TEST DOUBLE at that release first),
-``experts_shard1`` (FSDP2 shards expert weights on dim 1, as TorchTitan does when the FSDP
-degree exceeds the number of experts).
+OPTIONS: ``experts_shard1`` (FSDP2 shards expert weights on dim 1, as TorchTitan does when the FSDP
+degree exceeds the number of experts). Primus-Turbo's own code is imported first where the
+environment names a build (tests/real_turbo/loader.py: ``TITAN_PRIMUS_TURBO_BUILD`` ...).
 """
 
 import logging
@@ -32,12 +32,11 @@ logging.basicConfig(stream=sys.stdout, level=logging.WARNING, format="%(message)
 dist.init_process_group("gloo")
 model_name, recipe, device, backend, steps = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
 options = dict(arg.partition("=")[::2] for arg in sys.argv[6:])
-double = None
-if "double" in options:
-    import pytest
-    from doubles import primus_turbo_double as double
+if backend == "primus_turbo":
+    from real_turbo import loader
 
-    double.install(pytest.MonkeyPatch(), version=options["double"], arch=device)
+    _, why_not = loader.from_environment()
+    assert why_not is None, why_not
     tp.registry.refresh()
 world = dist.get_world_size()
 
@@ -100,12 +99,10 @@ def sharded(fp8_all_gather: bool):
 
 generator = torch.Generator().manual_seed(7)
 batches = [torch.randint(0, 2048, (2, 32), generator=generator) for _ in range(steps)]  # same on every rank
-runs, quantized = {}, {}
+runs = {}
 for fp8_all_gather in (False, True):
     model, optimizer = sharded(fp8_all_gather)
     losses, grads, bytes_per_step = [], [], []
-    if double:
-        double.KERNEL_CALLS.clear()
     for tokens in batches:
         gathered.update(collective=0, fp8_hooks=0, amax_all_reduces=0)
         logits = model(tokens[:, :-1])
@@ -118,8 +115,6 @@ for fp8_all_gather in (False, True):
         bytes_per_step.append(dict(gathered))
     state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
     runs[fp8_all_gather] = losses, grads, bytes_per_step, state
-    if double:
-        quantized[fp8_all_gather] = sum(n for k, n in double.KERNEL_CALLS.items() if k.startswith("quantize"))
     fp8_gathered = {kind: sum(isinstance(getattr(p, "_local_tensor", p), Fp8AllGatherWeight)
                               for m in fp8_modules(model) if m.covers_experts == (kind == "experts")
                               for p in m.parameters())
@@ -141,9 +136,5 @@ if dist.get_rank() == 0:
     print(f"FP8-gathered weights: linears {fp8_gathered['linears']} expert weights {fp8_gathered['experts']}")
     print(f"all-gathered bytes per step: bf16 {off} fp8 {on} ratio {on / off:.4f}; "
           f"FP8 weights: bf16 {bf16_payload} fp8 {fp8_payload} ratio {fp8_payload / bf16_payload:.4f}")
-    if double:  # each FP8-gathered weight is taken as gathered: one quantize launch fewer per step
-        print(f"Primus-Turbo double quantize launches: bf16 gather {quantized[False]} fp8 gather {quantized[True]} "
-              f"saved {quantized[False] - quantized[True]} = {sum(fp8_gathered.values())} weights x {steps} steps: "
-              f"{quantized[False] - quantized[True] == sum(fp8_gathered.values()) * steps}")
 dist.barrier()
 exit_without_teardown(0)  # see cpu_world: gloo processes can abort in interpreter teardown

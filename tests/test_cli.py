@@ -1,7 +1,6 @@
 """The titan-primus command line on a CPU: doctor, parity, bench and report, with small case sets.
 
-The Primus-Turbo rows here run against the TEST DOUBLE (tests/doubles/): they show the parity
-machinery compares a third backend correctly, not that real Primus-Turbo kernels are accurate.
+Parity with Primus-Turbo as a third backend, on its own code: tests/real_turbo/test_routing.py.
 """
 
 import io
@@ -10,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-from doubles import primus_turbo_double
 
 import titan_primus as tp
 from titan_primus import cli
@@ -172,24 +170,6 @@ def test_parity_on_the_gfx942_profile_compares_differently_defined_recipes_with_
     # TorchAO's grouped kernels cannot run on this CPU under the named profile: skipped, with the error.
     grouped = next(r for r in rows if r["backend"] == "torchao" and r["op"] == "grouped_mm" and r["recipe"] == "rowwise")
     assert grouped["status"] == "skipped" and "named profile gfx942" in grouped["reason"]
-
-
-def test_parity_with_the_primus_turbo_double_as_a_third_backend(capsys, monkeypatch, tmp_path):
-    """Double-backed: shows Primus-Turbo rows are checked against the emulation of its definition."""
-    primus_turbo_double.install(monkeypatch, version="v0.4.0", arch="gfx942")
-    tp.registry.refresh()
-    path = tmp_path / "parity.json"
-    code, out, _ = run_cli(capsys, "parity", "--quick", "--device", "gfx942", "--require", "primus_turbo",
-                           "--json", str(path))
-    assert code == 0, out
-    turbo = [r for r in strict_json(path)["results"] if r["backend"] == "primus_turbo"]
-    ran = [r for r in turbo if r["status"] == "pass"]
-    assert {r["recipe"] for r in ran} == {"tensorwise", "rowwise"}
-    for row in ran:
-        same = [c for c in row["checks"] if c["against"] == "emulated"]
-        assert row["definition"] == "primus_turbo" and len(same) == 3 and all(c["passed"] for c in same)
-    gw_hp = [r for r in turbo if r["recipe"] == "rowwise_with_gw_hp"]
-    assert gw_hp and all(r["status"] == "skipped" and "no 'rowwise_with_gw_hp' recipe" in r["reason"] for r in gw_hp)
 
 
 @pytest.mark.parametrize("plugin_backend", [WrongBackend, CrashingBackend], indirect=True)

@@ -1,14 +1,9 @@
-"""torch.compile(fullgraph=True) of the FP8 ops and of converted TorchTitan blocks, per backend.
-
-The Primus-Turbo path runs against the TEST DOUBLE (tests/doubles/), whose public ops are decorated
-torch._dynamo.disable like Primus-Turbo's since v0.3.1: fullgraph compilation works because the
-adapter builds the ops from Primus-Turbo's low-level custom ops (v0.3.0+) or wraps the public ops
-in custom ops (v0.2.0), all with fake implementations (tests/test_primus_turbo_compile.py)."""
+"""torch.compile(fullgraph=True) of the FP8 ops and of converted TorchTitan blocks, per backend
+that runs in this process (Primus-Turbo's own code under compile: tests/real_turbo)."""
 
 import pytest
 import torch
 import torch._inductor.config
-from doubles import primus_turbo_double
 from helpers import make_offsets, run_grouped, run_linear, sqnrs
 from titan_helpers import build, model_config
 
@@ -24,15 +19,11 @@ def compiled(fn):
     return torch.compile(fn, fullgraph=True)
 
 
-BACKENDS = [("emulated", "cpu", None), ("emulated", "gfx942", None), ("torchao", "cpu", None),
-            ("primus_turbo", "gfx942", "v0.4.0"), ("primus_turbo", "gfx942", "v0.2.0")]
+BACKENDS = [("emulated", "cpu"), ("emulated", "gfx942"), ("torchao", "cpu")]
 
 
-@pytest.mark.parametrize("backend, device, turbo_version", BACKENDS)
-def test_linear_compiles_fullgraph_and_matches_eager(backend, device, turbo_version, monkeypatch):
-    if turbo_version:
-        primus_turbo_double.install(monkeypatch, version=turbo_version)
-        tp.registry.refresh()
+@pytest.mark.parametrize("backend, device", BACKENDS)
+def test_linear_compiles_fullgraph_and_matches_eager(backend, device):
     x = torch.randn(48, 64, dtype=torch.bfloat16)
     w = torch.randn(32, 64) * 0.1
     b = torch.randn(32)
@@ -46,16 +37,13 @@ def test_linear_compiles_fullgraph_and_matches_eager(backend, device, turbo_vers
 
     eager = run_linear(fn, x, w, b, g)
     graph = run_linear(compiled(fn), x, w, b, g)
-    # Measured: bitwise equal for the emulation and the double; TorchAO's CPU kernels differ
+    # Measured: bitwise equal for the emulation; TorchAO's CPU kernels differ
     # from inductor's lowering only in accumulation order.
     assert min(sqnrs(eager, graph)) >= 40, sqnrs(eager, graph)
 
 
-@pytest.mark.parametrize("backend, device, turbo_version", [b for b in BACKENDS if b[0] != "torchao"])
-def test_grouped_mm_compiles_fullgraph_and_matches_eager(backend, device, turbo_version, monkeypatch):
-    if turbo_version:
-        primus_turbo_double.install(monkeypatch, version=turbo_version)
-        tp.registry.refresh()
+@pytest.mark.parametrize("backend, device", [b for b in BACKENDS if b[0] != "torchao"])
+def test_grouped_mm_compiles_fullgraph_and_matches_eager(backend, device):
     offs = make_offsets([7, 0, 25, 16])
     A = torch.randn(54, 256, dtype=torch.bfloat16)  # 6 trailing rows
     W = (torch.randn(4, 256, 256) * 0.05).bfloat16()  # K, N >= 256: Primus-Turbo's Triton limit
@@ -73,19 +61,17 @@ def test_grouped_mm_compiles_fullgraph_and_matches_eager(backend, device, turbo_
     assert min(sqnrs(eager, graph)) >= 40, sqnrs(eager, graph)
 
 
-def test_torchtitan_compile_of_converted_moe_blocks(monkeypatch):
-    """TorchTitan's own apply_compile (each block, fullgraph=True) on the MoE model converted to
-    Primus-Turbo (the TEST DOUBLE). The emulated backend's converted blocks compile in TorchTitan's
-    real trainer (tests/test_fsdp_fp8_all_gather.py::test_trainer_compile_with_the_converter_and_fp8_all_gather)."""
+def test_torchtitan_compile_of_converted_moe_blocks():
+    """TorchTitan's own apply_compile (each block, fullgraph=True) on the MoE model converted for
+    an MI300X profile, on the emulation of Primus-Turbo's definition (Primus-Turbo's own code:
+    tests/real_turbo/test_compile_and_memory.py)."""
     from torchtitan.config import CompileConfig
     from torchtitan.distributed.compile import apply_compile
     from torchtitan.distributed.parallel_dims import ParallelDims
 
-    primus_turbo_double.install(monkeypatch, version="v0.4.0")
-    tp.registry.refresh()
-    converter = Float8Converter.Config(device="gfx942").build()
+    converter = Float8Converter.Config(device="gfx942", backend="emulated").build()
     config = converter.convert(model_config("deepseek_v3"))
-    assert {d.backend_name for d in converter.report.decisions.values()} == {"primus_turbo"}
+    assert {d.backend_name for d in converter.report.decisions.values()} == {"emulated"}
     eager_model, compiled_model = build(config, seed=0), build(config, seed=0)
     torch._dynamo.reset()
     single = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, world_size=1)
@@ -109,14 +95,11 @@ def test_torchtitan_compile_of_converted_moe_blocks(monkeypatch):
 
 # The public ops inside a user's compiled code: routing happens outside the traced code. (The
 # backends' own code under compile, every profile, is covered by the tests above.)
-OP_BACKENDS = [("emulated", "cpu"), ("torchao", "cpu"), ("primus_turbo", "gfx942")]
+OP_BACKENDS = [("emulated", "cpu"), ("torchao", "cpu")]
 
 
 @pytest.mark.parametrize("backend, device", OP_BACKENDS)
-def test_public_fp8_linear_compiles_fullgraph_and_matches_eager(backend, device, monkeypatch):
-    if backend == "primus_turbo":
-        primus_turbo_double.install(monkeypatch, version="v0.4.0")
-        tp.registry.refresh()
+def test_public_fp8_linear_compiles_fullgraph_and_matches_eager(backend, device):
     x = torch.randn(2, 24, 64, dtype=torch.bfloat16)
     w = torch.randn(32, 64) * 0.1
     b = torch.randn(32)

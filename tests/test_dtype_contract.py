@@ -6,7 +6,6 @@ whatever its inputs. And the emulation of TorchAO's recipes rounds where TorchAO
 import pytest
 import torch
 import torch.nn.functional as F
-from doubles import primus_turbo_double
 from helpers import make_offsets
 
 import titan_primus as tp
@@ -14,15 +13,9 @@ import titan_primus as tp
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 AUTOCAST = [None, torch.bfloat16, torch.float16]
 
-# (backend, device profile, Primus-Turbo double version): every backend that runs on a CPU.
-LINEAR_BACKENDS = [("emulated", "cpu", None), ("emulated", "gfx942", None), ("torchao", "cpu", None),
-                   ("primus_turbo", "gfx942", "v0.4.0")]
-
-
-def install_backend(backend, turbo_version, monkeypatch):
-    if turbo_version:
-        primus_turbo_double.install(monkeypatch, version=turbo_version)
-        tp.registry.refresh()
+# (backend, device profile): every backend that runs in this process (Primus-Turbo's own code:
+# tests/real_turbo/test_routing.py).
+LINEAR_BACKENDS = [("emulated", "cpu"), ("emulated", "gfx942"), ("torchao", "cpu")]
 
 
 def autocast(dtype):
@@ -33,10 +26,9 @@ def leaves(*tensors):
     return [t.detach().clone().requires_grad_() for t in tensors]
 
 
-@pytest.mark.parametrize("backend, device, turbo_version", LINEAR_BACKENDS, ids=lambda v: str(v))
+@pytest.mark.parametrize("backend, device", LINEAR_BACKENDS, ids=lambda v: str(v))
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
-def test_linear_output_and_grad_dtypes_follow_nn_linear(backend, device, turbo_version, recipe, monkeypatch):
-    install_backend(backend, turbo_version, monkeypatch)
+def test_linear_output_and_grad_dtypes_follow_nn_linear(backend, device, recipe):
     for x_dtype in DTYPES:
         for autocast_dtype in AUTOCAST:
             x, w, b = leaves(torch.randn(32, 64, dtype=x_dtype), torch.randn(48, 64) * 0.1, torch.randn(48))
@@ -65,16 +57,6 @@ def test_grouped_mm_returns_bfloat16_and_grads_in_input_dtypes(device, a_dtype, 
         out.backward(torch.randn_like(out))
         assert (A.grad.dtype, B.grad.dtype) == (a_dtype, b_dtype)
         A.grad = B.grad = None
-
-
-def test_grouped_mm_returns_bfloat16_on_primus_turbo_double(monkeypatch):
-    install_backend("primus_turbo", "v0.4.0", monkeypatch)
-    offs = make_offsets([16, 0, 32])
-    # K and N >= 256: its Triton grouped kernels' limit (see the backend's supports()).
-    A, B = leaves(torch.randn(48, 256, dtype=torch.bfloat16), (torch.randn(3, 256, 256) * 0.1).bfloat16())
-    out = tp.fp8_grouped_mm(A, B.transpose(-2, -1), offs, backend="primus_turbo", device="gfx942")
-    out.backward(torch.randn_like(out))
-    assert (out.dtype, A.grad.dtype, B.grad.dtype) == (torch.bfloat16,) * 3
 
 
 def test_converted_torchtitan_model_keeps_stock_dtypes_under_autocast():

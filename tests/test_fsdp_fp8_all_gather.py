@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from doubles import primus_turbo_double
 from test_distributed import torchrun_script
 from titan_helpers import ROOT, run_trainer
 
@@ -23,12 +22,10 @@ from titan_primus.fsdp_fp8 import fp8_all_gather_plan, quantize_weight
         ("tensorwise", "torchao", "emulated", True),
         ("tensorwise", "torchao", "torchao", True),
         ("tensorwise", "primus_turbo", "emulated", True),
-        ("tensorwise", "primus_turbo_v0.2", "emulated", True),
         ("rowwise", "primus_turbo", "emulated", True),  # backward re-quantizes the FP8 copy
         ("rowwise", "torchao", "emulated", False),  # grad_input: per-column scales over all rows
         ("rowwise", "torchao", "torchao", False),
         ("rowwise_with_gw_hp", "torchao", "emulated", False),  # grad_input: tensorwise cast of bf16
-        ("rowwise", "primus_turbo_v0.2", "emulated", False),  # backward re-quantizes the bf16 weight
         ("tensorwise", "primus_turbo", "primus_turbo", False),  # Primus-Turbo is not importable here
         ("mxfp8", "torchao", "emulated", False),  # grad_input: 1x32 blocks along N, not K
         ("blockwise", "torchao", "emulated", False),  # not implemented: no backend takes FP8 block weights
@@ -50,83 +47,6 @@ def test_where_fp8_all_gather_applies(recipe, definition, backend, fp8, op):
         assert "quantizes B_t itself" in verdict.reason
 
 
-def _install_primus_turbo_double(monkeypatch, version):
-    primus_turbo_double.install(monkeypatch, version=version, arch="gfx942")
-    tp.registry.refresh()
-    return tp.registry.get_backend("primus_turbo")
-
-
-@pytest.mark.parametrize(
-    "version, recipe, fp8, why",
-    [
-        ("v0.2.0", "tensorwise", False, "no low-level GEMM op"),
-        ("v0.2.0", "rowwise", False, "per column over all output rows"),  # v0.2 definition
-        ("v0.3.0", "tensorwise", True, "gemm_fp8_impl takes the gathered FP8 weight"),
-        ("v0.3.0", "rowwise", False, "per column over all output rows"),  # v0.2 definition
-        ("v0.3.1", "tensorwise", True, "gemm_fp8_impl takes the gathered FP8 weight"),
-        ("v0.3.1", "rowwise", True, "gemm_fp8_impl takes the gathered FP8 weight"),
-        ("v0.4.0", "tensorwise", True, "gemm_fp8_impl takes the gathered FP8 weight"),
-        ("v0.4.0", "rowwise", True, "gemm_fp8_impl takes the gathered FP8 weight"),
-    ],
-)
-def test_where_primus_turbo_takes_the_fp8_gathered_weight(version, recipe, fp8, why, monkeypatch):
-    """Against the Primus-Turbo TEST DOUBLE, per release: HYBRID tensorwise from v0.3.0 and the
-    v0.3.1+ rowwise definition go FP8; v0.2.0 (no low-level ops) and the v0.2 rowwise definition
-    (backward re-quantizes the bf16 weight) gather bf16, with the reason."""
-    backend = _install_primus_turbo_double(monkeypatch, version)
-    made = backend.recipe_for(recipe, tp.device_profile("gfx942"))
-    plan, verdict = fp8_all_gather_plan(backend, made)
-    assert (plan is not None) == bool(verdict) == fp8, verdict.reason
-    assert why in verdict.reason, verdict.reason
-    takes = backend.takes_gathered_fp8_weight(made)
-    if version == "v0.2.0":
-        assert not takes and "cannot take a pre-quantized weight" in takes.reason
-    if (version, recipe) == ("v0.3.0", "rowwise"):  # also on its own: no dequantize_fp8_rowwise
-        assert not takes and "not from its FP8 copy" in takes.reason
-
-
-def _primus_turbo_step(backend, recipe, x, weight, grad, compiled):
-    """Output, grad_x, grad_weight and quantize launches of one step of ``backend.linear``."""
-    fn = lambda x, w: backend.linear(x, w, None, recipe)  # noqa: E731
-    if compiled:
-        torch._dynamo.reset()
-        fn = torch.compile(fn, fullgraph=True)
-    x, weight = x.detach().requires_grad_(), weight.detach().requires_grad_()
-    primus_turbo_double.KERNEL_CALLS.clear()
-    out = fn(x, weight)
-    out.backward(grad)
-    quantized = sum(n for k, n in primus_turbo_double.KERNEL_CALLS.items() if k.startswith("quantize"))
-    return out, x.grad, weight.grad, quantized
-
-
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-@pytest.mark.parametrize(
-    "version, recipe", [("v0.3.0", "tensorwise"), ("v0.3.1", "tensorwise"), ("v0.3.1", "rowwise"),
-                        ("v0.4.0", "tensorwise"), ("v0.4.0", "rowwise")],
-)
-def test_primus_turbo_gathered_weight_gives_exactly_the_normal_path(version, recipe, compiled, monkeypatch):
-    """One process, TEST DOUBLE: the weight quantized as an FSDP2 rank quantizes it (then what
-    the backend builds from the gathered payload) gives the output and gradients of the plain
-    bf16 weight through the normal path (eager: Primus-Turbo's public ops), bit for bit, with
-    one quantize launch fewer (the weight's)."""
-    backend = _install_primus_turbo_double(monkeypatch, version)
-    made = backend.recipe_for(recipe, tp.device_profile("gfx942"))
-    plan, verdict = fp8_all_gather_plan(backend, made)
-    assert plan is not None, verdict.reason
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(64, 256, generator=generator).bfloat16()
-    weight = (torch.randn(128, 256, generator=generator) * 0.05).bfloat16()
-    grad = torch.randn(64, 128, generator=generator).bfloat16()
-    data, scale = quantize_weight(weight, plan, weight.abs().amax().float())
-    gathered = backend.gathered_weight(data, scale, torch.bfloat16, made)
-
-    out, grad_x, grad_w, quantized = _primus_turbo_step(backend, made, x, weight, grad, compiled=False)
-    g_out, g_grad_x, g_grad_w, g_quantized = _primus_turbo_step(backend, made, x, gathered, grad, compiled)
-    assert torch.equal(g_out, out) and torch.equal(g_grad_x, grad_x)
-    assert type(g_grad_w) is torch.Tensor and torch.equal(g_grad_w, grad_w)
-    assert g_quantized == quantized - 1, (g_quantized, quantized)
-
-
 def _grouped_step(backend, recipe, A, weight, offs, grad, compiled):
     """Output, grad_A and grad_weight of one step of ``backend.grouped_mm`` on expert weights
     [E, N, K], handed over as TorchTitan's experts hand them: ``weight.transpose(-2, -1)``."""
@@ -143,25 +63,19 @@ def _grouped_step(backend, recipe, A, weight, offs, grad, compiled):
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize(
-    "backend_name, recipe, device, double, shape",
+    "backend_name, recipe, device, shape",
     [
-        ("emulated", "tensorwise", "cpu", None, (4, 64, 96)),
-        ("emulated", "rowwise", "gfx942", None, (4, 64, 96)),  # Primus-Turbo's definition
-        ("emulated", "rowwise", "gfx942", None, (3, 60, 36)),  # the emulation zero-pads N and K to 8s
-        ("primus_turbo", "tensorwise", "gfx942", "v0.4.0", (4, 256, 256)),  # Triton: K, N >= 256
-        ("primus_turbo", "rowwise", "gfx942", "v0.3.1", (4, 256, 256)),
+        ("emulated", "tensorwise", "cpu", (4, 64, 96)),
+        ("emulated", "rowwise", "gfx942", (4, 64, 96)),  # Primus-Turbo's definition
+        ("emulated", "rowwise", "gfx942", (3, 60, 36)),  # the emulation zero-pads N and K to 8s
     ],
 )
-def test_gathered_expert_weights_give_exactly_the_normal_path(backend_name, recipe, device, double, shape, compiled,
-                                                               monkeypatch):
+def test_gathered_expert_weights_give_exactly_the_normal_path(backend_name, recipe, device, shape, compiled):
     """One process: expert weights [E, N, K] quantized as an FSDP2 rank quantizes them, then
     what the backend builds from the gathered payload, transposed to B_t as the experts do it,
-    give the output and gradients of the plain bf16 weights, bit for bit (``double``: against
-    the Primus-Turbo TEST DOUBLE at that release)."""
-    if double:
-        backend = _install_primus_turbo_double(monkeypatch, double)
-    else:
-        backend = tp.registry.get_backend(backend_name)
+    give the output and gradients of the plain bf16 weights, bit for bit (Primus-Turbo's own
+    code: tests/real_turbo/test_fsdp_gathered.py)."""
+    backend = tp.registry.get_backend(backend_name)
     made = backend.recipe_for(recipe, tp.device_profile(device))
     plan, verdict = fp8_all_gather_plan(backend, made, "grouped_mm")
     assert plan is not None, verdict.reason
@@ -226,9 +140,7 @@ RESULT = re.compile(
     "model, recipe, device, backend, options",
     [("llama3", "tensorwise", "cpu", "emulated", ()),
      ("llama3", "tensorwise", "cpu", "torchao", ()),
-     ("llama3", "tensorwise", "gfx942", "primus_turbo", ("double=v0.4.0",)),
      ("deepseek_v3", "tensorwise", "cpu", "emulated", ()),
-     ("deepseek_v3", "rowwise", "gfx942", "primus_turbo", ("double=v0.3.1",)),
      ("deepseek_v3", "rowwise", "gfx942", "emulated", ("experts_shard1",))],
 )
 def test_fp8_all_gather_changes_no_bit_and_halves_weight_traffic(model, recipe, device, backend, options):
@@ -238,17 +150,14 @@ def test_fp8_all_gather_changes_no_bit_and_halves_weight_traffic(model, recipe, 
     collective and at the FP8 hooks. Measured: the FP8 weights move 0.5000x the bytes
     (tensorwise; rowwise 0.5055x with the per-row fp32 scales), the whole step's all-gathers
     0.5235x (llama3) / 0.5043x (deepseek_v3; rowwise 0.5097x), embeddings and norms staying
-    bf16. Tensorwise amaxes: one all-reduce per step after the first. ``double=``: Primus-Turbo
-    is the TEST DOUBLE at that release, each FP8-gathered weight taken without a quantize.
-    ``experts_shard1``: FSDP2 shards expert weights on dim 1, where per-row scales cannot be
+    bf16. Tensorwise amaxes: one all-reduce per step after the first (Primus-Turbo's own code:
+    tests/real_turbo/test_fsdp_gathered.py). ``experts_shard1``: FSDP2 shards expert weights on dim 1, where per-row scales cannot be
     gathered: rowwise expert weights go in high precision, with a warning (ratio 0.6257)."""
-    steps = "3" if (model, backend) == ("llama3", "emulated") else "2"  # TorchAO's CPU kernels are slow; the double's loops too
+    steps = "3" if (model, backend) == ("llama3", "emulated") else "2"  # TorchAO's CPU kernels are slow
     out = torchrun_script("fsdp_fp8_all_gather.py", model, recipe, device, backend, steps, *options)
     assert "bitwise equal: loss True grads True weights True" in out, out
     linears, experts = map(int, re.search(r"FP8-gathered weights: linears (\d+) expert weights (\d+)", out).groups())
     assert linears > 0 and experts == (15 if model == "deepseek_v3" else 0), out
-    if "double" in str(options):
-        assert re.search(r"Primus-Turbo double quantize launches: .* saved [1-9]\d* = .*: True", out), out
     total_off, total_on, _, weights_off, weights_on, _ = map(float, RESULT.search(out).groups())
     if "experts_shard1" in options:
         assert "is all-gathered in high precision: FSDP2 shards it on dim 1" in out, out

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-from doubles import primus_turbo_double
 
 import titan_primus as tp
 from titan_primus.backends import EmulatedBackend
@@ -30,19 +29,6 @@ def test_auto_routing_without_primus_turbo(device, op, recipe, expected):
     assert "primus_turbo" in passed and passed["primus_turbo"]  # every better backend says why not
     if expected == "emulated":
         assert "torchao" in passed
-
-
-@pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
-def test_auto_routing_with_primus_turbo(arch, monkeypatch):
-    primus_turbo_double.install(monkeypatch, arch=arch)
-    tp.registry.refresh()
-    for op in ("linear", "grouped_mm"):
-        decision = tp.select_backend(op, "rowwise", arch)
-        assert decision.backend_name == "primus_turbo"
-        assert all("not chosen automatically" in why for _, why in decision.passed_over)
-        assert decision.recipe.e4m3 == (torch.float8_e4m3fnuz if arch == "gfx942" else torch.float8_e4m3fn)
-    # Not on NVIDIA, even with Primus-Turbo importable.
-    assert tp.select_backend("linear", "rowwise", "sm90").backend_name == "torchao"
 
 
 def test_emulation_reproduces_the_devices_preferred_definition():

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-# tt02_helpers (here), the 0.2 CPU launcher (examples/torchtitan02) and the Primus-Turbo test
-# double shared with the main suite (tests/doubles).
+# tt02_helpers (here), the 0.2 CPU launcher (examples/torchtitan02) and the main suite's helpers
+# (tests/: the isolation fixture, the Primus-Turbo real-code harness).
 sys.path[:0] = [str(Path(__file__).parent), str(ROOT / "examples" / "torchtitan02"), str(ROOT / "tests")]
 
 # Third-party plugins installed on a developer machine must not change what the suite tests.
@@ -26,6 +26,9 @@ import cpu_launch  # noqa: E402,F401
 
 
 from isolation import _seed_and_fresh_routing  # noqa: E402,F401  (autouse fixture)
+
+# Primus-Turbo's own code, one build per process: `make test-tt02` runs real_turbo/ per architecture.
+collect_ignore = [] if os.environ.get("TITAN_PRIMUS_TURBO_BUILD") else ["real_turbo"]
 
 
 @pytest.fixture(autouse=True)

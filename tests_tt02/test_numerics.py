@@ -11,7 +11,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torchtitan.models.moe.utils as moe_utils
-from doubles import primus_turbo_double
 from tt02_helpers import convert, materialize, meta_model
 
 import titan_primus as tp
@@ -20,15 +19,13 @@ from titan_primus.torchtitan02 import Fp8GroupedExperts, Fp8Linear
 MIN_DB = 40.0
 
 # (backend, device profile, recipe): the emulation under both recipe definitions (torchao on
-# cpu, Primus-Turbo's on MI300-class profiles) and Primus-Turbo itself through its test double.
+# cpu, Primus-Turbo's on MI300-class profiles); Primus-Turbo itself: tests_tt02/real_turbo.
 CASES = [
     ("emulated", "cpu", "tensorwise"),
     ("emulated", "cpu", "rowwise"),
     ("emulated", "cpu", "rowwise_with_gw_hp"),
     ("emulated", "gfx942", "tensorwise"),
     ("emulated", "gfx942", "rowwise"),
-    ("primus_turbo", "gfx942", "rowwise"),
-    ("primus_turbo", "gfx950", "tensorwise"),
     ("emulated", "cpu", "mxfp8"),
     ("emulated", "gfx950", "mxfp8"),
     ("emulated", "cpu", "blockwise"),
@@ -37,16 +34,6 @@ CASES = [
 
 # Unaligned groups, empty groups (first, middle, last): what TorchTitan's router hands experts.
 TOKENS_PER_EXPERT = [0, 5, 17, 0, 3, 9, 13, 0]
-
-
-@pytest.fixture
-def backend_for(monkeypatch):
-    def setup(backend: str, device: str) -> None:
-        if backend == "primus_turbo":
-            primus_turbo_double.install(monkeypatch, arch=device)
-            tp.registry.refresh()
-
-    return setup
 
 
 def converted_module(model_name: str, fqn: str, backend: str, device: str, recipe: str):
@@ -65,8 +52,7 @@ def assert_close_db(reference: torch.Tensor, actual: torch.Tensor, what: str) ->
 
 
 @pytest.mark.parametrize("backend, device, recipe", CASES)
-def test_fp8_linear_matches_the_shared_op(backend, device, recipe, backend_for):
-    backend_for(backend, device)
+def test_fp8_linear_matches_the_shared_op(backend, device, recipe):
     module = converted_module("llama3", "layers.0.feed_forward.w1", backend, device, recipe)
     assert isinstance(module, Fp8Linear)
     x = torch.randn(2, 24, module.in_features)
@@ -97,10 +83,9 @@ def reference_experts(x, w1, w2, w3, offs, **op):
 
 @pytest.mark.parametrize("pad_token_groups", [False, True], ids=["ragged", "padded"])
 @pytest.mark.parametrize("backend, device, recipe", CASES)
-def test_fp8_experts_match_the_shared_op(backend, device, recipe, pad_token_groups, backend_for):
+def test_fp8_experts_match_the_shared_op(backend, device, recipe, pad_token_groups):
     """Ragged groups, as routed for the emulation and Primus-Turbo; padded to 16, as routed for
     TorchAO (forced here, since TorchAO's grouped GEMM has no CPU kernel): padding is exact."""
-    backend_for(backend, device)
     experts = converted_module("deepseek_v3", "layers.1.moe.experts", backend, device, recipe)
     assert isinstance(experts, Fp8GroupedExperts)
     if pad_token_groups:

@@ -7,7 +7,6 @@ from importlib.metadata import version
 import pytest
 import torch
 import torchtitan.models.moe.utils as moe_utils
-from doubles import primus_turbo_double
 from tt02_helpers import convert, meta_model, parallel_dims
 
 import titan_primus as tp
@@ -53,24 +52,6 @@ def test_routing_on_profiles_without_primus_turbo(device, recipe, expected):
     if device == "gfx942":
         assert "Primus-Turbo is not importable" in dict(report.decisions["linear"].passed_over)["primus_turbo"]
         assert report.decisions["linear"].recipe.e4m3 == torch.float8_e4m3fnuz
-
-
-@pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
-def test_routing_on_mi300_with_primus_turbo(arch, monkeypatch):
-    primus_turbo_double.install(monkeypatch, arch=arch)
-    tp.registry.refresh()
-    model = meta_model("deepseek_v3")
-    report = convert(model, device=arch).report
-    assert routes(report) == {"linear": "primus_turbo", "grouped_mm": "primus_turbo"}
-    assert report.decisions["linear"].recipe.definition == "primus_turbo"
-    # Primus-Turbo takes ragged token groups: TorchTitan's alignment and the experts are left alone.
-    assert moe_utils.TOKEN_GROUP_ALIGN_SIZE_M == 8
-    assert not any(m.pad_token_groups for m in model.modules() if isinstance(m, Fp8GroupedExperts))
-    # rowwise_with_gw_hp has no Primus-Turbo equivalent: linears fall back to TorchAO, experts
-    # (no TorchAO grouped GEMM for it) stay in high precision, saying why.
-    report = convert(meta_model("deepseek_v3"), device=arch, recipe="rowwise_with_gw_hp").report
-    assert routes(report) == {"linear": "torchao"}
-    assert report.skipped("experts") and all("no FP8 backend here" in r.reason for r in report.skipped("experts"))
 
 
 @pytest.mark.skipif(not TORCHAO_GROUPED_MM, reason=f"torchao {version('torchao')} has no FP8 grouped GEMM (0.17+)")

@@ -18,15 +18,13 @@ the emulated backend can reproduce either exactly:
   GEMM epilogues alike (``csrc/pytorch/quantization/quantization.cpp``); the emulation does too.
   Rowwise backward re-quantizes input and weight from their dequantized forward FP8 copies, and a
   grouped GEMM's wgrad takes its column scales over all rows of all groups at once.
-- ``"primus_turbo_v0.2"``: Primus-Turbo v0.2.0-v0.3.0, where those backward copies are quantized
-  from the high-precision tensors instead.
 Primus-Turbo has no high-precision-wgrad recipe, so rowwise_with_gw_hp has no Primus-Turbo definition.
 
 The block-scaled recipes (``mxfp8``: blocks of 32 along the contracted dimension with E8M0
 power-of-two scales; ``blockwise``: DeepSeek-V3's 1x128 activation tiles and 128x128 weight
 blocks with float32 scales) carry their block shapes per operand and their scale rule
 (:class:`BlockScaleRule`); ``docs/recipes-blocked.md`` cites the upstream code for each row.
-Primus-Turbo's block-scaled GEMMs are the same at every tag from v0.2.0 to v0.4.0 for
+Primus-Turbo's block-scaled GEMMs are the same at every build from v0.3.1 to v0.4.1.dev26 for
 ``blockwise``; its ``mxfp8`` row is v0.4.0's (the first tag with grouped MX GEMMs).
 """
 
@@ -51,7 +49,7 @@ __all__ = [
 ]
 
 RECIPE_NAMES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8", "blockwise")
-DEFINITIONS = ("torchao", "primus_turbo", "primus_turbo_v0.2")
+DEFINITIONS = ("torchao", "primus_turbo")
 
 Format = Literal["e4m3", "e5m2"]
 Granularity = Literal["tensorwise", "rowwise", "block"]
@@ -131,8 +129,8 @@ class Fp8Recipe:
     block_scale: BlockScaleRule | None = None
     """The scale rule of the block-scaled casts (block recipes only)."""
     sixteen_bit_gemms: bool = False
-    """Every FP8 GEMM writes bfloat16 or float16 only (Primus-Turbo: v0.2.0's CK and hipBLASLt
-    checks; from v0.3.0 no backend of ``kernels/gemm/gemm_fp8_impl.py`` takes float32 output), so a
+    """Every FP8 GEMM writes bfloat16 or float16 only (Primus-Turbo: no backend of
+    ``kernels/gemm/gemm_fp8_impl.py`` lists float32 output in its SUPPORTED_DTYPES), so a
     float32 linear gets a bfloat16 result upcast, and its backward quantizes the gradient of that
     result: the float32 gradient rounded to bfloat16."""
 
@@ -190,7 +188,6 @@ _MX_2D = OperandCast("e4m3", "block", (32, 32))
 _TORCHAO = {"pow2_scales": True}
 _PRIMUS = {"pow2_scales": False, "grouped_wgrad_per_group": False, "backward_from_fp8": True, "reciprocal_scales": True,
            "sixteen_bit_gemms": True}
-_PRIMUS_V02 = {**_PRIMUS, "backward_from_fp8": False}
 
 # (recipe, definition) -> (output, grad_input, grad_weight casts), options
 _TABLE: dict[tuple[str, str], tuple[tuple[GemmCasts, GemmCasts, GemmCasts], dict]] = {
@@ -202,8 +199,6 @@ _TABLE: dict[tuple[str, str], tuple[tuple[GemmCasts, GemmCasts, GemmCasts], dict
     # Format.HYBRID: e4m3 for input and weight, e5m2 for grad_output.
     ("tensorwise", "primus_turbo"): (_gemms((_T4, _T4), (_T5, _T4), (_T5, _T4)), _PRIMUS),
     ("rowwise", "primus_turbo"): (_gemms((_R4, _R4), (_R4, _R4), (_R4, _R4)), _PRIMUS),
-    ("tensorwise", "primus_turbo_v0.2"): (_gemms((_T4, _T4), (_T5, _T4), (_T5, _T4)), _PRIMUS_V02),
-    ("rowwise", "primus_turbo_v0.2"): (_gemms((_R4, _R4), (_R4, _R4), (_R4, _R4)), _PRIMUS_V02),
     # MXFP8TrainingOpConfig / MXFP8Linear defaults: e4m3fn everywhere (grads too), RCEIL.
     ("mxfp8", "torchao"): (
         _gemms((_MX, _MX), (_MX, _MX), (_MX, _MX)), {"pow2_scales": False, "block_scale": BlockScaleRule("e8m0", rounding="rceil")},
@@ -226,9 +221,6 @@ _TABLE: dict[tuple[str, str], tuple[tuple[GemmCasts, GemmCasts, GemmCasts], dict
         {"pow2_scales": False, "block_scale": BlockScaleRule("fp32", amax_eps=1e-4), "sixteen_bit_gemms": True},
     ),
 }
-# v0.2.0-v0.3.0 run the same blockwise numerics; their MX GEMMs differ (no grouped MX, v0.2.0
-# 1x32 weights), so mxfp8 has no primus_turbo_v0.2 definition.
-_TABLE["blockwise", "primus_turbo_v0.2"] = _TABLE["blockwise", "primus_turbo"]
 # MX is defined on OCP e4m3fn (E8M0 rounding assumes fp8_max 448), on every device.
 _OCP_ONLY = {"mxfp8"}
 

@@ -17,34 +17,19 @@ Where the sources are absent every test here is skipped with that reason.
 from __future__ import annotations
 
 import os
-from pathlib import Path
-
 import pytest
 
-from real_turbo import loader, stand_ins
+from real_turbo import loader
 
-REPO = Path(__file__).resolve().parents[2]
-SOURCES = Path(os.environ.get("TITAN_PRIMUS_TURBO_SOURCES", REPO.parent / "shared" / "primus-turbo"))
 BUILD = os.environ.get("TITAN_PRIMUS_TURBO_BUILD", "")
 ARCH = os.environ.get("TITAN_PRIMUS_TURBO_ARCH", "gfx942")
-
-
-def _load():
-    if BUILD not in stand_ins.BUILDS:
-        return None, f"TITAN_PRIMUS_TURBO_BUILD={BUILD!r}: choose one of {', '.join(stand_ins.BUILDS)}"
-    if not (SOURCES / BUILD / "primus_turbo").is_dir():
-        return None, (f"Primus-Turbo {BUILD} sources not found at {SOURCES / BUILD} "
-                      f"(set TITAN_PRIMUS_TURBO_SOURCES to the folder holding the builds)")
-    return loader.load(SOURCES / BUILD, ARCH), None
-
-
-TURBO, SKIP_REASON = _load()
+TURBO, SKIP_REASON = loader.from_environment()
 
 
 def pytest_report_header(config):
     if TURBO is None:
         return f"Primus-Turbo real-code tier: skipped ({SKIP_REASON})"
-    return f"Primus-Turbo real-code tier: build {BUILD} from {SOURCES / BUILD}, {ARCH}, Triton interpreter"
+    return f"Primus-Turbo real-code tier: build {BUILD} from {TURBO.__file__}, {ARCH}, Triton interpreter"
 
 
 def pytest_collection_modifyitems(config, items):

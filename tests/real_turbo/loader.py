@@ -110,6 +110,26 @@ def _custom_ops_on_cpu() -> None:
     torch.library.custom_op = custom_op
 
 
+REPO = Path(__file__).resolve().parents[2]
+
+
+def from_environment():
+    """(``primus_turbo.pytorch``, None) for the build and architecture the environment names
+    (``TITAN_PRIMUS_TURBO_BUILD``, ``TITAN_PRIMUS_TURBO_ARCH``, ``TITAN_PRIMUS_TURBO_SOURCES``:
+    default ``../shared/primus-turbo`` beside the repository), or (None, why not)."""
+    build = os.environ.get("TITAN_PRIMUS_TURBO_BUILD", "")
+    arch = os.environ.get("TITAN_PRIMUS_TURBO_ARCH", "gfx942")
+    sources = Path(os.environ.get("TITAN_PRIMUS_TURBO_SOURCES", REPO.parent / "shared" / "primus-turbo"))
+    if build not in stand_ins.BUILDS:
+        return None, f"TITAN_PRIMUS_TURBO_BUILD={build!r}: choose one of {', '.join(stand_ins.BUILDS)}"
+    if arch not in ARCHS:
+        return None, f"TITAN_PRIMUS_TURBO_ARCH={arch!r}: choose one of {', '.join(ARCHS)}"
+    if not (sources / build / "primus_turbo").is_dir():
+        return None, (f"Primus-Turbo {build} sources not found at {sources / build} "
+                      f"(set TITAN_PRIMUS_TURBO_SOURCES to the folder holding the builds)")
+    return load(sources / build, arch), None
+
+
 def load(source: Path, arch: str):
     """Import the Primus-Turbo build in ``source`` (a folder holding ``primus_turbo/``) as on
     ``arch``; returns ``primus_turbo.pytorch``. Once per process."""
