@@ -25,7 +25,7 @@ OLDEST_TORCHTITAN := 0.2.2
 # the module is missing, so a ROCm Triton is never replaced.
 ensure_triton = $(1) -c "import triton" 2>/dev/null || $(1) -m pip install -q triton
 
-.PHONY: setup test test-tt02 test-oldest demo clean
+.PHONY: setup lint test test-tt02 test-oldest demo clean
 
 setup: $(STAMP)
 
@@ -37,6 +37,23 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[test,torchtitan]"
 	$(call ensure_triton,$(PY))
 	touch $@
+
+# Lint: ruff, pinned (.pre-commit-config.yaml runs the same release), alone in a venv of its own,
+# so the gate takes seconds on a fresh clone. Its settings are in pyproject.toml.
+RUFF_VERSION := 0.16.9
+VENV_LINT    := .venv-lint
+STAMP_LINT   := $(VENV_LINT)/.installed
+
+$(STAMP_LINT): Makefile
+	test -x $(VENV_LINT)/bin/python || $(PYTHON) -m venv $(VENV_LINT)
+	$(VENV_LINT)/bin/python -m pip install -q "ruff==$(RUFF_VERSION)"
+	touch $@
+
+lint: $(STAMP_LINT)
+	$(VENV_LINT)/bin/ruff check .
+# Enabled together with the one-time formatting commit (`ruff format .`); until then the tree is
+# not in ruff's format.
+#	$(VENV_LINT)/bin/ruff format --check .
 
 test: $(STAMP)
 	$(call run,$(VENV)) $(PY) $(PYTEST)
@@ -80,4 +97,4 @@ test-oldest: $(STAMP_OLDEST)
 	$(call run,$(VENV_OLDEST)) $(PY_OLDEST) $(PYTEST) tests_tt02 -m "not trainer or oldest"
 
 clean:
-	rm -rf $(VENV) $(VENV_TT02) $(VENV_OLDEST) outputs .pytest_cache
+	rm -rf $(VENV) $(VENV_TT02) $(VENV_OLDEST) $(VENV_LINT) outputs .pytest_cache .ruff_cache

@@ -518,7 +518,7 @@ class _LowLevelLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, recipe: str):
         api = _require_api()
-        ops, (fwd, bwd) = api.low_level, api.formats(recipe)
+        ops, (fwd, _) = api.low_level, api.formats(recipe)
         rowwise = recipe == "rowwise"
         row, col = (-1, -2) if rowwise else (None, None)
         granularity, backend, out_dtype = ops.granularity[recipe], ops.dense_backend[recipe], sixteen_bit(x.dtype)
@@ -559,7 +559,7 @@ class _LowLevelGroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, A, B_t, offs, recipe: str):
         api = _require_api()
-        ops, (fwd, bwd) = api.low_level, api.formats(recipe)
+        ops, (fwd, _) = api.low_level, api.formats(recipe)
         rowwise = recipe == "rowwise"
         b, trans_b = _b_layout(B_t)
         b_row, b_col = (-1, -2) if trans_b else (-2, -1)  # over K, over N
