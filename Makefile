@@ -25,7 +25,7 @@ OLDEST_TORCHTITAN := 0.2.2
 # the module is missing, so a ROCm Triton is never replaced.
 ensure_triton = $(1) -c "import triton" 2>/dev/null || $(1) -m pip install -q triton
 
-.PHONY: setup lint test test-tt02 test-oldest demo clean
+.PHONY: setup setup-oldest lint test test-tt02 test-oldest demo clean
 
 setup: $(STAMP)
 
@@ -95,6 +95,8 @@ $(STAMP_OLDEST): pyproject.toml Makefile
 	$(PY_OLDEST) -m pip install -q -e ".[test,torchtitan02]" "torchtitan==$(OLDEST_TORCHTITAN)"
 	$(call ensure_triton,$(PY_OLDEST))
 	touch $@
+
+setup-oldest: $(STAMP_OLDEST)
 
 test-oldest: $(STAMP_OLDEST)
 	$(call run,$(VENV_OLDEST)) $(PY_OLDEST) $(PYTEST) tests_tt02 -m "not trainer or oldest"
