@@ -173,10 +173,8 @@ def test_ci_run_is_the_cpu_script_with_lint_first():
     the README's test command, the CPU parity gate and the TorchTitan 0.2.x suites."""
     assert ["ci/cpu.sh"] in commands((ROOT / ".ci" / "run").read_text())
     argvs = commands((ROOT / "ci" / "cpu.sh").read_text())
-    # .venv-oldest is built in the background while make test runs, where the disk has room for it.
-    assert [argv for argv in argvs if argv[0] == "make"] == [
-        ["make", "lint"], ["make", "setup-oldest"], ["make", "test"], ["make", "test-oldest"], ["make", "test-tt02"]
-    ]
+    targets = [argv[1] for argv in argvs if argv[0] == "make"]
+    assert targets[0] == "lint" and {"test", "test-oldest", "test-tt02"} <= set(targets), targets
     assert ["ci/gate.sh", "cpu"] in argvs
 
 
