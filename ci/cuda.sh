@@ -11,6 +11,9 @@ export ARTIFACTS=${ARTIFACTS:-$PWD/artifacts/cuda}
 
 make setup
 export PATH="$PWD/.venv/bin:$PATH"
+# Elsewhere the cuda tests would only skip, and TorchAO runs on a CPU too: refused here instead.
+python -c 'import sys, titan_primus as tp; d = tp.detect_device()
+sys.exit(0 if d.kind == "cuda" and d.fp8_hardware else f"ci/cuda.sh: needs an NVIDIA SM89+ GPU; this is {d.arch}")'
 step "cuda-marked tests (real TorchAO kernels)" python -m pytest -q -m cuda tests
 step "parity gate, TorchAO required" ci/gate.sh cuda --require torchao --compile
 echo "CUDA results: $ARTIFACTS"

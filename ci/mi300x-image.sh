@@ -25,12 +25,14 @@ trap cleanup EXIT
 tar -C "$src" --exclude=./.git --exclude='./.venv*' --exclude=./artifacts -cf - . | tar -C "$work" -xf -
 cd "$work"
 
-python -c "import torch; assert torch.version.hip, 'this image has no ROCm build of torch'"
 # The image's ROCm stack, by distribution name (pytorch-triton-rocm provides the triton module).
 stack="^(torch|torchao|triton|pytorch-triton-rocm|torchtitan|primus[-_]turbo)=="
 python -m pip list --format=freeze | grep -iE "$stack" | tee "$ARTIFACTS/image-stack.txt"
 python -m pip install -e ".[test,torchtitan02]" --constraint "$ARTIFACTS/image-stack.txt"
 python -m pip list --format=freeze | grep -Fxf "$ARTIFACTS/image-stack.txt" | diff "$ARTIFACTS/image-stack.txt" -
+# Elsewhere the mi300 tests would only skip: refused here instead.
+python -c 'import sys, titan_primus as tp; d = tp.detect_device()
+sys.exit(0 if d.mi300_class else f"ci/mi300x-image.sh: needs an MI300-class GPU visible here; this is {d.arch}")'
 
 # The tests/ modules that import TorchTitan 0.3 cannot be collected beside the image's 0.2.x: the
 # files holding mi300 tests are named (tests/test_cli_ci.py checks that none is left out).

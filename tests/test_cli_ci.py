@@ -32,11 +32,25 @@ _SEPARATORS = {"|", "||", "&&", ";", "&", ">", ">>", "<", "2>", "(", ")"}
 GPU_JOBS = [("mi300x", "mi300", "primus_turbo"), ("cuda", "cuda", "torchao")]
 
 
+def logical_lines(script: str):
+    """The script's lines, a backslash-continued line or a quote spanning lines joined into one."""
+    pending = ""
+    for line in script.replace("\\\n", " ").splitlines():
+        pending = f"{pending}\n{line}" if pending else line
+        try:
+            list(shlex.shlex(pending, posix=True))
+        except ValueError:  # a quote still open
+            continue
+        yield pending
+        pending = ""
+    assert not pending, f"unclosed quote: {pending!r}"
+
+
 def commands(script: str) -> list[list[str]]:
     """Each simple command of a shell script as argv: environment assignments dropped, and
     ``exec COMMAND``, ``setsid COMMAND`` and ``step NAME COMMAND`` (ci/lib.sh) taken as COMMAND."""
     found = []
-    for line in script.replace("\\\n", " ").splitlines():
+    for line in logical_lines(script):
         lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
         lexer.whitespace_split = True
         current: list[str] = []
@@ -158,6 +172,8 @@ def test_gpu_scripts_run_every_marked_test_file_and_gate_on_their_backend(job, m
                    for _, targets in runs for target in targets), f"{relative} holds {marker} tests that ci/{job}.sh never runs"
     gates = [argv for argv in argvs if argv[0] == "ci/gate.sh"]
     assert gates and all(argv[1] == job and argv[argv.index("--require") + 1] == backend for argv in gates)
+    # Elsewhere the marked tests only skip: the script refuses a machine without its GPU.
+    assert any("tp.detect_device()" in path.read_text() for path in script_family(job))
 
 
 @pytest.mark.parametrize("job", ["cpu", "cuda", "mi300x"])
