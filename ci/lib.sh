@@ -1,5 +1,5 @@
 # shellcheck shell=bash
-# Sourced by the ci/ scripts of the GPU jobs: every step runs and is reported, a failure does not
+# Sourced by ci/gate.sh and the GPU jobs' scripts: every step runs and is reported, a failure does not
 # stop the ones after it, so a job leaves every result it could produce. A step is one command (a
 # function called as a step runs without errexit: chain its commands with &&).
 

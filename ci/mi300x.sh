@@ -38,11 +38,13 @@ artifacts=${ARTIFACTS:-artifacts/mi300x}
 mkdir -p "$artifacts"
 artifacts=$(cd "$artifacts" && pwd)
 status=0
+# The GPUs (all of them, or those HIP_VISIBLE_DEVICES / ROCR_VISIBLE_DEVICES name here); bash runs
+# the script in place of the image's entrypoint, as GitHub's container jobs run their steps.
 docker run --rm \
     --device=/dev/kfd --device=/dev/dri --group-add video --ipc=host --shm-size=16g \
-    --security-opt seccomp=unconfined \
+    --security-opt seccomp=unconfined --env HIP_VISIBLE_DEVICES --env ROCR_VISIBLE_DEVICES \
     --volume "$PWD:/src:ro" --volume "$artifacts:/artifacts" \
     --env ARTIFACTS=/artifacts --env OWNER="$(id -u):$(id -g)" \
-    "$image" bash /src/ci/mi300x-image.sh || status=$?
+    --entrypoint bash "$image" /src/ci/mi300x-image.sh || status=$?
 echo "MI300X results: $artifacts"
 exit "$status"
