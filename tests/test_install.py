@@ -171,7 +171,7 @@ def test_installing_into_the_amd_image_replaces_nothing(amd_image, registry, ext
 
 
 def test_the_torchtitan_0_3_line_is_refused_on_the_image_instead_of_replacing_its_torch(amd_image, registry):
-    """TorchTitan 0.3 needs torch 2.14: with the image's torch pinned (as ci/mi300x.yml does) pip
+    """TorchTitan 0.3 needs torch 2.14: with the image's torch pinned (as ci/mi300x-image.sh does) pip
     refuses; nothing gets swapped."""
     code, stderr = resolve(amd_image, registry, f"{PROJECT['name']}[torchtitan]",
                            constraints=[f"torch=={AMD_IMAGE['torch'][0]}"])

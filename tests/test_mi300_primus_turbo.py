@@ -1,5 +1,5 @@
 """The Primus-Turbo rules on the REAL kernels and GPU: runs only on an MI300-class GPU with
-Primus-Turbo installed (``mi300`` marker; the MI300X workflow). Each test is the hardware twin of
+Primus-Turbo installed (``mi300`` marker; ci/mi300x.sh). Each test is the hardware twin of
 a test of tests/real_turbo, which runs Primus-Turbo's own Python and Triton code on a CPU under
 Triton's interpreter with its HIP ops stood in: if one fails here, a stand-in or the adapter is
 wrong about the hardware.

@@ -40,6 +40,7 @@ __all__ = [
     "fp8_linear",
     "known_profiles",
     "make_recipe",
+    "registry",
     "select_backend",
     "sqnr",
 ]

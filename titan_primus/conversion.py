@@ -16,7 +16,7 @@ from typing import Literal
 from .backends.base import Op, Verdict
 from .device import DeviceProfile, device_profile, resolve_device
 from .fsdp_fp8 import fp8_all_gather_plan
-from .recipes import Fp8Recipe, check_recipe_name
+from .recipes import check_recipe_name
 from .registry import backends, get_backend
 from .routing import BackendUnavailableError, RoutingDecision, select_backend
 

@@ -38,7 +38,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._pytree import tree_map_only
 
 from .backends.base import Op, Verdict
-from .recipes import Fp8Recipe, GemmCasts
+from .recipes import Fp8Recipe
 from .scaling import amax_to_scale, dequantize, quantize, scaled_cast
 
 logger = logging.getLogger("titan_primus")

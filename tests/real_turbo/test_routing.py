@@ -104,11 +104,18 @@ def test_every_grouped_shape_the_router_accepts_runs(recipe):
         assert all(torch.isfinite(t).all() for t in got), (k, n)
 
 
-def test_parity_command_checks_primus_turbo_against_the_emulation(tmp_path):
+def test_parity_command_checks_primus_turbo_against_the_emulation(tmp_path, monkeypatch):
+    """The parity machinery with Primus-Turbo as a third backend, on cases of the dims its Triton
+    kernels take (the --quick set's are smaller)."""
     import json
 
-    from titan_primus.cli import main
+    from titan_primus.cli import main, parity
 
+    monkeypatch.setattr(parity, "QUICK_CASES", (
+        parity.LinearCase(name="m255", m=255, k=256, n=256, why="M not a multiple of 16"),
+        parity.GroupedCase(name="empty_groups_trailing_rows", counts=(9, 0, 21, 6), trailing=5, k=256, n=256,
+                           why="an empty group and rows past offs[-1]"),
+    ))
     path = tmp_path / "parity.json"
     assert main(["parity", "--quick", "--device", ARCH, "--require", "primus_turbo", "--json", str(path)]) == 0
     rows = [r for r in json.loads(path.read_text())["results"] if r["backend"] == "primus_turbo"]

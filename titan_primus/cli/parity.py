@@ -203,7 +203,9 @@ class LinearCase(_Case):
         """(out, grad_input, grad_weight); ``recipe=None`` is the fp32 reference."""
         if recipe is None:
             return reference_linear(*inputs)[:3]
-        fn = lambda x, w, b: fp8_linear(x, w, b, recipe=recipe, backend=backend, device=device)
+        def fn(x, w, b):
+            return fp8_linear(x, w, b, recipe=recipe, backend=backend, device=device)
+
         return run_linear(fn, *inputs)[:3]
 
 
@@ -230,7 +232,9 @@ class GroupedCase(_Case):
         """(out, grad_A, grad_W); ``recipe=None`` is the fp32 reference."""
         if recipe is None:
             return reference_grouped(*inputs)
-        fn = lambda A, B_t, offs: fp8_grouped_mm(A, B_t, offs, recipe=recipe, backend=backend, device=device)
+        def fn(A, B_t, offs):
+            return fp8_grouped_mm(A, B_t, offs, recipe=recipe, backend=backend, device=device)
+
         return run_grouped(fn, *inputs)
 
     def problems(self, inputs, outputs) -> list[str]:

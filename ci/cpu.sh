@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# CPU CI, what .ci/run and the cpu workflow run, on a fresh clone on any Linux x86-64 machine with
+# Python 3.11 and a package registry: the lint gate, the README's test command, the CPU parity gate
+# (results in artifacts/cpu), then the TorchTitan 0.2.x suite on the oldest stack the project
+# supports (torch 2.12, torchao 0.15: AMD's images) and on the current one. Stops at the first
+# failure.
+#
+# Each suite has its own venv of 5-6 GB (torch's registry wheels are CUDA builds). A venv this
+# script created is removed once its suite has passed, so the run peaks at two venvs' worth of
+# disk (one where less than twice the check below is free) instead of three; venvs that were
+# there before are left alone.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need_gb=8
+free_gb=$(df -Pk . | awk 'NR == 2 { print int($4 / 1048576) }')
+if ((free_gb < need_gb)); then
+    echo "ci/cpu.sh: ${free_gb} GB free here; a suite's venv and pip's downloads need about" \
+         "${need_gb} GB. Free some disk and rerun." >&2
+    exit 1
+fi
+
+created=()
+for venv in .venv .venv-tt02 .venv-oldest; do
+    [[ -e $venv ]] || created+=("$venv")
+done
+drop_if_created() {
+    local venv
+    for venv in "${created[@]}"; do
+        if [[ $venv == "$1" ]]; then rm -rf "$venv"; fi
+    done
+}
+
+make lint
+
+# Building .venv-oldest downloads torch 2.12 and its CUDA libraries from PyPI: about 8 minutes
+# when pip's cache is cold, nearly all of it waiting on the network. Where the disk holds two
+# venvs, it is built in the background while make test keeps the CPUs busy.
+oldest_builder=
+if [[ ! -e .venv-oldest ]] && ((free_gb >= 2 * need_gb)); then
+    oldest_log=$(mktemp)
+    # A process group of its own, so that a failure here stops the whole build.
+    setsid make setup-oldest > "$oldest_log" 2>&1 &
+    oldest_builder=$!
+    trap 'kill -- -"$oldest_builder" 2>/dev/null || true' EXIT
+fi
+
+make test
+OMP_NUM_THREADS=1 PATH="$PWD/.venv/bin:$PATH" ci/gate.sh cpu
+drop_if_created .venv
+if [[ -n $oldest_builder ]]; then
+    echo "== make setup-oldest (built in the background)"
+    status=0
+    wait "$oldest_builder" || status=$?
+    trap - EXIT
+    cat "$oldest_log"
+    rm -f "$oldest_log"
+    if ((status)); then exit "$status"; fi
+fi
+make test-oldest
+drop_if_created .venv-oldest
+make test-tt02
+drop_if_created .venv-tt02

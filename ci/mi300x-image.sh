@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The MI300X CI inside AMD's image (rocm/primus: torch with ROCm, torchao, Primus-Turbo, TorchTitan
+# 0.2.x); ci/mi300x.sh starts it with Docker, or run it in the image from a checkout. On a copy of
+# the checkout, titan-primus is installed into the image's Python as it is, with the TorchTitan 0.2.x
+# adapter (the line AMD Primus pins): the image's own builds become pip constraints, so pip refuses
+# a requirement they do not meet instead of replacing them, and afterwards every one of them must
+# still be there, unchanged. Then the mi300-marked tests, the TorchTitan 0.2.x suite on the image's
+# stack and the parity gate with Primus-Turbo required (ci/gate.sh). Results go to $ARTIFACTS
+# (default artifacts/mi300x in the checkout). Every step after the install runs; the script fails at
+# the end if any did.
+set -euo pipefail
+src=$(cd "$(dirname "$0")/.." && pwd)
+# shellcheck source=ci/lib.sh
+source "$src/ci/lib.sh"
+export ARTIFACTS=${ARTIFACTS:-$src/artifacts/mi300x}
+mkdir -p "$ARTIFACTS"
+# pip builds beside the sources, and ci/mi300x.sh mounts the checkout read-only: a copy is used.
+work=$(mktemp -d)
+# The results belong to whoever started the container (ci/mi300x.sh passes OWNER=uid:gid).
+cleanup() {
+    rm -rf "$work"
+    if [[ -n ${OWNER:-} ]]; then chown -R "$OWNER" "$ARTIFACTS"; fi
+}
+trap cleanup EXIT
+tar -C "$src" --exclude=./.git --exclude='./.venv*' --exclude=./artifacts -cf - . | tar -C "$work" -xf -
+cd "$work"
+
+# The image's ROCm stack, by distribution name (pytorch-triton-rocm provides the triton module).
+stack="^(torch|torchao|triton|pytorch-triton-rocm|torchtitan|primus[-_]turbo)=="
+python -m pip list --format=freeze | grep -iE "$stack" | tee "$ARTIFACTS/image-stack.txt"
+python -m pip install -e ".[test,torchtitan02]" --constraint "$ARTIFACTS/image-stack.txt"
+python -m pip list --format=freeze | grep -Fxf "$ARTIFACTS/image-stack.txt" | diff "$ARTIFACTS/image-stack.txt" -
+# Elsewhere the mi300 tests would only skip: refused here instead.
+python -c 'import sys, titan_primus as tp; d = tp.detect_device()
+sys.exit(0 if d.mi300_class else f"ci/mi300x-image.sh: needs an MI300-class GPU visible here; this is {d.arch}")'
+
+# The tests/ modules that import TorchTitan 0.3 cannot be collected beside the image's 0.2.x: the
+# files holding mi300 tests are named (tests/test_cli_ci.py checks that none is left out).
+step "mi300-marked tests (real Primus-Turbo kernels)" \
+    python -m pytest -q -m mi300 tests/test_mi300_*.py tests/test_primus_turbo_adapter.py
+step "the TorchTitan 0.2.x suite on the image's stack" python -m pytest -q tests_tt02
+step "parity gate, Primus-Turbo required" ci/gate.sh mi300x --require primus_turbo --compile
+finish
