@@ -25,6 +25,13 @@ BUILD = os.environ.get("TITAN_PRIMUS_TURBO_BUILD", "")
 ARCH = os.environ.get("TITAN_PRIMUS_TURBO_ARCH", "gfx942")
 TURBO, SKIP_REASON = loader.from_environment()
 
+# The costliest tests (a training step of a converted model, shape sweeps) run on one
+# architecture per build, alternating, so each build and each architecture is covered; the rest
+# run on both.
+ONE_ARCH = {"v0.3.1": "gfx942", "v0.3.2.dev48": "gfx950", "v0.4.0": "gfx942", "v0.4.1.dev26": "gfx950"}
+one_arch = pytest.mark.skipif(
+    ONE_ARCH.get(BUILD) != ARCH, reason=f"runs on {ONE_ARCH.get(BUILD)} for build {BUILD} (costly; each build runs it on one arch)")
+
 
 def pytest_report_header(config):
     if TURBO is None:

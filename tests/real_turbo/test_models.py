@@ -6,7 +6,7 @@ import torch
 from titan_helpers import build, model_config
 
 import titan_primus as tp
-from real_turbo.conftest import ARCH
+from real_turbo.conftest import ARCH, one_arch
 from titan_primus.torchtitan import Float8Converter
 
 # The emulation against itself with the embeddings changed in their last bits: how far FP8
@@ -28,6 +28,7 @@ def _agreement(a, b) -> tuple[float, float]:
     return tp.sqnr(a[0], b[0]), min(tp.sqnr(a[1][name], b[1][name]) for name in a[1])
 
 
+@one_arch
 def test_converted_moe_model_trains_a_step_like_the_emulation():
     converter = Float8Converter.Config(device=ARCH, recipe="rowwise").build()
     config = converter.convert(model_config("deepseek_v3"))

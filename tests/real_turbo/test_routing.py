@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from titan_helpers import model_config
 
 import titan_primus as tp
-from real_turbo.conftest import ARCH, BUILD
+from real_turbo.conftest import ARCH, BUILD, one_arch
 from real_turbo.test_same_as_turbo import _grads
 from titan_primus.torchtitan import Float8Converter
 
@@ -76,6 +76,7 @@ def test_linear_dtypes_follow_nn_linear(recipe):
 DIMS = (240, 256, 272, 288, 384)
 
 
+@one_arch
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
 def test_every_linear_shape_the_router_accepts_runs_for_any_token_count(recipe):
     """No tl.assume fails (the interpreter raises on one) and nothing non-finite comes back for
@@ -91,6 +92,7 @@ def test_every_linear_shape_the_router_accepts_runs_for_any_token_count(recipe):
             assert all(torch.isfinite(t).all() for t in got), (k, n, tokens)
 
 
+@one_arch
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
 def test_every_grouped_shape_the_router_accepts_runs(recipe):
     backend, device = tp.registry.get_backend("primus_turbo"), tp.device_profile(ARCH)
