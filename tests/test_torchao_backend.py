@@ -3,7 +3,8 @@ TorchAO recipe, OCP and FNUZ. Shapes stay small: TorchAO's CPU path is only a re
 
 import pytest
 import torch
-from helpers import run_linear, sqnrs
+from doubles import torchao_grouped_kernels
+from helpers import make_offsets, run_linear, sqnrs
 
 import titan_primus as tp
 
@@ -32,6 +33,43 @@ def test_torchao_refuses_other_definitions():
     recipe = tp.make_recipe("rowwise", "primus_turbo", tp.device_profile("gfx942"))
     with pytest.raises(tp.BackendUnavailableError, match="torchao definition"):
         tp.fp8_linear(torch.randn(4, 16), torch.randn(16, 16), recipe=recipe, backend="torchao", device="gfx942")
+
+
+@pytest.mark.parametrize("a_layout, b_layout", [("row-major", "TorchTitan's transposed view"),
+                                                 ("row-major", "contiguous"), ("column-major", "contiguous")])
+def test_torchao_grouped_mm_takes_every_layout_and_copies_only_where_torchao_needs(a_layout, b_layout, monkeypatch):
+    """TorchAO's rowwise grouped GEMM asserts a row-major A and a column-major B_t;
+    fp8_grouped_mm takes any layout. TorchAO's own Python (asserts, autograd Function) runs on the
+    kernel stand-ins of tests/doubles/torchao_grouped_kernels.py (its Triton kernels and
+    torch._scaled_grouped_mm do not run on a CPU): TorchTitan's transposed view of its [E, N, K]
+    expert weights reaches the kernels as it is, other layouts as a copy, and every layout gives
+    the emulation's results (TorchAO's definition), forward and backward."""
+    received = torchao_grouped_kernels.install(monkeypatch)
+    decision = tp.select_backend("grouped_mm", "rowwise", "sm90", "torchao")
+    offs = make_offsets([16, 0, 32, 16])  # aligned, as the converter's dispatcher pads them; one empty
+    A = torch.randn(80, 64).bfloat16()  # 16 rows past the groups
+    W = (torch.randn(4, 48, 64) * 0.05).bfloat16()  # [E, N, K], TorchTitan's expert weights
+    grad = torch.randn(80, 48).bfloat16()
+    B_t = W.transpose(-2, -1)  # [E, K, N], column-major
+    leaves = [(A.clone() if a_layout == "row-major" else A.t().contiguous().t()).requires_grad_(),
+              (B_t if b_layout.startswith("TorchTitan") else B_t.contiguous()).requires_grad_()]
+    out = decision.backend.grouped_mm(*leaves, offs, decision.recipe)
+    out.backward(grad)
+    got = [out, *(t.grad for t in leaves)]
+
+    (b_quantized,) = received["triton_fp8_colwise_3d_scale_and_cast"]
+    if b_layout.startswith("TorchTitan"):
+        assert b_quantized.data_ptr() == W.data_ptr()  # no copy
+    else:
+        assert b_quantized.stride(-2) == 1 and torch.equal(b_quantized, B_t)
+    assert torch.equal(out[64:], torch.zeros(16, 48, dtype=torch.bfloat16))
+    assert [t.dtype for t in got] == [torch.bfloat16] * 3 and [t.shape for t in got[1:]] == [A.shape, (4, 64, 48)]
+    emulated = [A.clone().requires_grad_(), W.clone().transpose(-2, -1).requires_grad_()]
+    ref = tp.fp8_grouped_mm(*emulated, offs, recipe=decision.recipe, backend="emulated", device="sm90")
+    ref.backward(grad)
+    reference = [ref, *(t.grad for t in emulated)]
+    assert all(t is not None for t in reference)
+    assert min(sqnrs(reference, got)) >= 40, sqnrs(reference, got)  # measured: bitwise equal
 
 
 @pytest.mark.cuda

@@ -265,8 +265,14 @@ class TorchAOBackend(Fp8Backend):
         # is bfloat16 and its gradients bfloat16, cast to the operands' dtypes by autograd.
         A, B_t = (t.bfloat16() if t.dtype == torch.float16 else t for t in (A, B_t))
         # Masking the input too drops whatever the kernel writes into trailing rows of grad_A.
+        # It also asserts a row-major A and a column-major B_t (stride(-2) == 1): TorchTitan's
+        # transposed view of its [E, N, K] expert weights is one and passes as it is; any other
+        # layout is copied into one (autograd hands the gradient back in the caller's layout).
+        A = zero_trailing_rows(A, offs).contiguous()
+        if B_t.stride(-2) != 1:
+            B_t = B_t.transpose(-2, -1).contiguous().transpose(-2, -1)
         out = self._grouped_mm_fn(
-            zero_trailing_rows(A, offs), B_t, offs, out_dtype=torch.bfloat16, float8_dtype=recipe.e4m3,
+            A, B_t, offs, out_dtype=torch.bfloat16, float8_dtype=recipe.e4m3,
             # Its default (True) asserts "not yet supported"; groups come aligned from the
             # padding token dispatcher the converter installs.
             pad_token_groups_for_grouped_mm=False,
