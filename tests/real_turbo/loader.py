@@ -20,6 +20,7 @@ ops and picks its FP8 formats once, at import. What is supplied, and why:
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import importlib.machinery
 import os
@@ -113,10 +114,12 @@ def _custom_ops_on_cpu() -> None:
 REPO = Path(__file__).resolve().parents[2]
 
 
+@functools.cache
 def from_environment():
     """(``primus_turbo.pytorch``, None) for the build and architecture the environment names
     (``TITAN_PRIMUS_TURBO_BUILD``, ``TITAN_PRIMUS_TURBO_ARCH``, ``TITAN_PRIMUS_TURBO_SOURCES``:
-    default ``../shared/primus-turbo`` beside the repository), or (None, why not)."""
+    default ``../shared/primus-turbo`` beside the repository), or (None, why not). Once per
+    process."""
     build = os.environ.get("TITAN_PRIMUS_TURBO_BUILD", "")
     arch = os.environ.get("TITAN_PRIMUS_TURBO_ARCH", "gfx942")
     sources = Path(os.environ.get("TITAN_PRIMUS_TURBO_SOURCES", REPO.parent / "shared" / "primus-turbo"))
