@@ -1,10 +1,12 @@
 """The numerics sentinel (titan_primus.sentinel) in one process: off by default, changes no bit
 when on, checks one layer per checked step in turn, passes on every backend that runs here, and
 catches a deliberately corrupted backend (registered through the pluggy registry) on its first
-checked step, naming the layer.
+checked step, naming the layer; a breach's capture replays with ``titan-primus parity --replay``.
 
 The Primus-Turbo rows run against the TEST DOUBLE (tests/doubles/), not the real kernels."""
 
+import io
+import json
 from types import SimpleNamespace
 
 import corrupt_backend
@@ -14,7 +16,7 @@ from doubles import primus_turbo_double
 from titan_helpers import build, model_config
 
 import titan_primus as tp
-from titan_primus import sentinel
+from titan_primus import cli, sentinel
 from titan_primus.backends.emulated import EmulatedBackend
 from titan_primus.conversion import ConversionOptions
 from titan_primus.fsdp_fp8 import fp8_all_gather_plan, quantize_weight
@@ -231,6 +233,29 @@ def test_garbage_past_the_routed_rows_is_named(corrupted):
     report = _checked_call(WatchedBackend(active, layer), "grouped_mm", made, _inputs("grouped_mm", torch.Generator()))
     assert "out is not bit-identical to the emulation (16 of 112 rows differ: rows 96, 97" in report.breaches[0]
     assert "16 of them past offs[-1] = 96, where it must be exactly zero" in report.breaches[0]
+
+
+def test_a_capture_replays_on_every_backend_here(corrupted, tmp_path, capsys):
+    corrupted.mode = "rows"
+    active = sentinel.sentinel_for(SentinelOptions(1, capture_folder=str(tmp_path)))
+    layer = active.register("layers.3.feed_forward.w2", corrupted)
+    active.begin_step(1)
+    made = corrupted.recipe_for("rowwise", tp.device_profile("cpu"))
+    _checked_call(WatchedBackend(active, layer), "linear", made, _inputs("linear", torch.Generator()))
+    (path,) = tmp_path.glob("*.pt")
+    code = cli.main(["parity", "--replay", str(path), "--json", str(tmp_path / "replay.json")])
+    out = capsys.readouterr().out
+    assert code == 1  # the corrupted backend is registered here too, and replays wrong
+    assert "layers.3.feed_forward.w2 (linear; corrupted, rowwise (torchao definition, e4m3fn)), step 1, rank 0" in out
+    assert "| captured (corrupted, training machine) |" in out and "reproduced" in out
+    assert "corrupted: out is not bit-identical" in out
+    doc = json.loads((tmp_path / "replay.json").read_text())
+    status = {row["backend"]: row["status"] for row in doc["results"]}
+    assert status == {"captured (corrupted, training machine)": "reproduced", "emulated": "pass", "torchao": "pass",
+                      "corrupted": "fail", "primus_turbo": "skipped"}
+    tp.registry.unregister(corrupt_backend)
+    assert cli.main(["parity", "--replay", str(path)]) == 0  # every backend left here agrees with the emulation
+    assert cli.main(["parity", "--replay", str(tmp_path / "replay.json")]) == 2  # not a capture: one-line error
 
 
 class _Recorder:
