@@ -19,7 +19,7 @@ import torch
 from .. import registry
 from ..fsdp_fp8 import Fp8GatheredWeight
 from ..sentinel.capture import load_capture
-from ..sentinel.check import QUANTITIES, GemmRecord, inputs_finite, judge, recompute
+from ..sentinel.check import QUANTITIES, GemmRecord, finite, judge, recompute
 from .doctor import describe_error, environment, resolve_profile, why_not
 from .report import document, format_db, markdown_table, prepare_output, write_document
 
@@ -65,10 +65,12 @@ def replay(path: str, device: str | None) -> tuple[list[dict], object, object]:
     profile = resolve_profile(device)
     capture = load_capture(path, _host_device())
     record = capture.record
-    if not inputs_finite(record):
-        raise ValueError(f"{path}: the captured inputs are not finite; there is nothing to re-compute")
-    reference = recompute(record)
-    captured = judge(record, reference, record.tensors, record.bit_exact)
+    if not all(finite(t) for t in record.operands[:2]):
+        raise ValueError(f"{path}: the captured operands are not finite; there is nothing to re-compute")
+    backward = finite(record.tensors["grad_output"])  # else forward only: the gradient came in non-finite
+    reference = recompute(record, backward=backward)
+    captured = judge(record, reference, record.tensors if backward else {"out": record.tensors["out"]},
+                     record.bit_exact)
     rows = [_row(f"captured ({record.backend}, training machine)", captured,
                  "reproduced" if captured.problems else "not reproduced")]
     k, n = _dims(record)
@@ -81,7 +83,7 @@ def replay(path: str, device: str | None) -> tuple[list[dict], object, object]:
             rows.append(_row(backend.name, status="skipped", reason=prepared))
             continue
         try:
-            outputs = recompute(prepared, backend)
+            outputs = recompute(prepared, backend, backward)
         except Exception as e:  # one backend breaking must not hide the others
             rows.append(_row(backend.name, status="error", reason=describe_error(e)))
             continue

@@ -23,7 +23,7 @@ from ..metrics import sqnr
 from ..recipes import Fp8Recipe
 
 __all__ = ["QUANTITIES", "FLOOR_DB", "ROW_FLOOR_DB", "GemmCheck", "GemmRecord", "QuantityCheck", "check_record",
-           "compare", "inputs_finite", "judge", "recompute", "snapshot"]
+           "compare", "finite", "judge", "recompute", "snapshot"]
 
 QUANTITIES = ("out", "grad_input", "grad_weight")
 FLOOR_DB = SAME_DEFINITION_BAR_DB
@@ -101,27 +101,30 @@ class GemmCheck:
     quantities: list[QuantityCheck] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     skipped: str = ""
-    """Why nothing was compared (the captured inputs were not finite), or ""."""
+    """What was not compared and why (inputs that were already non-finite), or ""."""
 
     @property
     def passed(self) -> bool:
         return not self.problems
 
     def figures(self) -> str:
-        if self.skipped:
-            return f"not compared: {self.skipped}"
-        if self.bit_exact and all(q.bitwise_equal for q in self.quantities):
-            return f"bitwise equal to the emulation ({', '.join(q.quantity for q in self.quantities)})"
-        floor = "floor: bitwise equal" if self.bit_exact else f"floor {FLOOR_DB:g} dB"
-        values = ", ".join(f"{q.quantity} {_db(q.sqnr_db)}" for q in self.quantities)
-        return f"SQNR vs the emulation: {values} ({floor})"
+        if not self.quantities:
+            text = ""
+        elif self.bit_exact and all(q.bitwise_equal for q in self.quantities):
+            text = f"bitwise equal to the emulation ({', '.join(q.quantity for q in self.quantities)})"
+        else:
+            floor = "floor: bitwise equal" if self.bit_exact else f"floor {FLOOR_DB:g} dB"
+            values = ", ".join(f"{q.quantity} {_db(q.sqnr_db)}" for q in self.quantities)
+            text = f"SQNR vs the emulation: {values} ({floor})"
+        return "; ".join(part for part in (text, self.skipped and f"not compared: {self.skipped}") if part)
 
 
 def _db(value: float) -> str:
     return "bitwise" if value == math.inf else f"{value:.1f} dB"
 
 
-def _finite(t) -> bool:
+def finite(t) -> bool:
+    """No NaN or inf in ``t`` (for a weight gathered in FP8: in its scale)."""
     if not isinstance(t, torch.Tensor) or t.numel() == 0:
         return True
     if isinstance(t, Fp8GatheredWeight):
@@ -152,24 +155,24 @@ def compare(quantity: str, reference: torch.Tensor, actual: torch.Tensor, bitwis
     )
 
 
-def recompute(record: GemmRecord, backend=_EMULATION) -> dict[str, torch.Tensor | None]:
-    """out, grad_input and grad_weight of ``record``'s op on ``backend`` (default: the emulation
-    of ``record.recipe``, the same definition) from the captured operands and gradient, on
-    their device."""
+def recompute(record: GemmRecord, backend=_EMULATION, backward: bool = True) -> dict[str, torch.Tensor | None]:
+    """out, grad_input and grad_weight (``backward``) of ``record``'s op on ``backend``
+    (default: the emulation of ``record.recipe``, the same definition) from the captured
+    operands and gradient, on their device."""
     first, second, third = record.operands
-    a = first.detach().requires_grad_(record.needs_grad[0])
-    b = second.detach().requires_grad_(record.needs_grad[1])
+    a = first.detach().requires_grad_(backward and record.needs_grad[0])
+    b = second.detach().requires_grad_(backward and record.needs_grad[1])
     with torch.enable_grad(), torch.autocast(a.device.type, enabled=False):
         if record.op == "linear":
             extra = {} if record.shards is None else {"shards": record.shards}
             out = backend.linear(a, b, third, record.recipe, **extra)
         else:
             out = backend.grouped_mm(a, b, third, record.recipe)
-        wanted = [t for t, need in zip((a, b), record.needs_grad) if need]
+        wanted = [t for t in (a, b) if t.requires_grad]
         grads = list(torch.autograd.grad(out, wanted, record.tensors["grad_output"])) if wanted else []
     result = {"out": out.detach()}
     for name, need in zip(("grad_input", "grad_weight"), record.needs_grad):
-        result[name] = grads.pop(0) if need else None
+        result[name] = grads.pop(0) if backward and need else None
     return result
 
 
@@ -185,17 +188,18 @@ def judge(record: GemmRecord, reference: dict, actual: dict, bit_exact: bool) ->
     return result
 
 
-def inputs_finite(record: GemmRecord) -> bool:
-    return all(_finite(t) for t in (*record.operands[:2], record.tensors["grad_output"]))
-
-
 def check_record(record: GemmRecord) -> GemmCheck:
-    """Re-compute ``record`` with the emulation and judge what the backend produced."""
-    if not inputs_finite(record):
-        result = GemmCheck(record, record.bit_exact, skipped="its inputs were already non-finite")
-        result.problems += [f"{q} has NaN/inf" for q in QUANTITIES if q in record.tensors and not _finite(record.tensors[q])]
-        return result
-    return judge(record, recompute(record), record.tensors, record.bit_exact)
+    """Re-compute ``record`` with the emulation and judge what the backend produced: forward
+    from finite operands, backward too from a finite incoming gradient (non-finite inputs came
+    from elsewhere; the every-step checks say from where)."""
+    if not all(finite(t) for t in record.operands[:2]):
+        return GemmCheck(record, record.bit_exact, skipped="its operands were already non-finite")
+    backward = finite(record.tensors["grad_output"])
+    actual = record.tensors if backward else {"out": record.tensors["out"]}
+    result = judge(record, recompute(record, backward=backward), actual, record.bit_exact)
+    if not backward:
+        result.skipped = "gradients: the incoming gradient was already non-finite"
+    return result
 
 
 def _problems(check: QuantityCheck, record: GemmRecord, bit_exact: bool) -> list[str]:
