@@ -58,9 +58,17 @@ def test_a_corrupted_plugin_backend_is_caught_on_the_first_checked_step(corrupti
 
 
 def test_two_fsdp2_ranks_train_exactly_as_with_the_sentinel_off(tmp_path):
+    """On: FP8 all-gather and full activation checkpointing too (the checked weights arrive FP8,
+    the forward runs twice); off: neither (both are bit-exact, docs/measurements.md)."""
     fsdp2 = ("--parallelism.data_parallel_shard_degree", "2")
-    on, log = run_trainer("llama3", "llama3_debugmodel", tmp_path / "on", 3, *fp8(sentinel_interval=1), *fsdp2, nproc=2)
-    off, _ = run_trainer("llama3", "llama3_debugmodel", tmp_path / "off", 3, *fp8(), *fsdp2, nproc=2)
+    env = {"PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE)])}  # full_activation_checkpointing lives in tests/
+    on, log = run_trainer(
+        "llama3", "llama3_debugmodel", tmp_path / "on", 3,
+        *fp8(recipe="tensorwise", enable_fsdp_float8_all_gather=True, sentinel_interval=1),
+        "full_activation_checkpointing.full_ac", *fsdp2, nproc=2, env=env,
+    )
+    off, _ = run_trainer("llama3", "llama3_debugmodel", tmp_path / "off", 3, *fp8(recipe="tensorwise"), *fsdp2, nproc=2)
     assert on == off and sorted(on) == [1, 2, 3], (on, off)
+    assert "Applied FullAC activation checkpointing" in log and "FSDP2 all-gathers FP8 weights as FP8 payload + scales" in log
     for step, layer in ((1, "layers.0.attention.qkv_linear.wqkv"), (2, "layers.0.attention.wo"), (3, "layers.0.feed_forward.w1")):
-        assert f"step {step}: {layer} (emulated, rowwise (torchao definition, e4m3fn)): bitwise equal to the emulation" in log
+        assert f"step {step}: {layer} (emulated, tensorwise (torchao definition, e4m3fn)): bitwise equal to the emulation" in log

@@ -59,6 +59,10 @@ COMPILE_UNSUPPORTED = (
 )
 
 
+_LISTED = 5
+"""Sources of non-finite values named one by one in a breach; the rest are counted."""
+
+
 class SentinelBreach(RuntimeError):
     """Raised under ``policy="stop"``: the message names the layer, step, backend and figures."""
 
@@ -118,7 +122,9 @@ class StepReport:
         found = [f"{c.record.describe()}: {'; '.join(c.problems)}" for c in self.checks if not c.passed]
         sources = [n for n in self.non_finite if n.source]
         if sources:
-            found += [f"non-finite values made by {n.describe()}" for n in sources]
+            found += [f"non-finite values made by {n.describe()}" for n in sources[:_LISTED]]
+            if len(sources) > _LISTED:
+                found.append(f"... and by {len(sources) - _LISTED} more calls (in call order; the first came first)")
         elif self.non_finite:
             found.append(f"non-finite values reached the converted layers from elsewhere, first at {self.non_finite[0].describe()}")
         return found
