@@ -3,9 +3,9 @@ layer per checked step against the exact emulation, and report (docs/sentinel.md
 
 Every converted module's backend is wrapped (:func:`watch`) when the sentinel is on; modules keep
 the plain backend when it is off, so it costs nothing then. On every step each backend call
-records, on the device and without a host sync, the largest magnitude of its input, output,
-incoming gradient, and input and weight gradients (``max |t|`` is NaN or inf exactly where
-``t`` holds one); taps (aliases) on the operands give each call's own gradients, not sums over
+records, on the device and without a host sync, the smallest and largest value of its input,
+output, incoming gradient, and input and weight gradients (NaN or inf exactly where the tensor
+holds one); taps (aliases) on the operands give each call's own gradients, not sums over
 other uses. On a checked step (every ``interval`` steps, one layer in turn) the layer's calls
 are also captured (operands, output, gradients) and re-computed with the emulation after
 backward (:mod:`titan_primus.sentinel.check`). A step ends before the optimizer applies the
@@ -186,7 +186,7 @@ class Sentinel:
 
     def _reset_step_state(self) -> None:
         self._calls: dict[int, _Call] = {}
-        self._magnitudes: list[tuple[int, str, torch.Tensor]] = []
+        self._magnitudes: list[tuple[int, str, tuple[torch.Tensor, torch.Tensor]]] = []
         self._records: list[GemmRecord] = []
         self._checked: _Layer | None = None
 
@@ -228,10 +228,12 @@ class Sentinel:
     def _non_finite(self) -> list[NonFinite]:
         if not self._magnitudes:
             return []
-        values = torch.stack([m.float().to(self._magnitudes[0][2].device) for _, _, m in self._magnitudes]).tolist()
+        device = self._magnitudes[0][2][0].device
+        values = torch.stack([v.float().to(device) for _, _, pair in self._magnitudes for v in pair]).tolist()
         per_call: dict[int, dict[str, float]] = {}
-        for (call_id, quantity, _), value in zip(self._magnitudes, values):
-            per_call.setdefault(call_id, {})[quantity] = value
+        for (call_id, quantity, _), low, high in zip(self._magnitudes, values[0::2], values[1::2]):
+            nan = math.isnan(low) or math.isnan(high)
+            per_call.setdefault(call_id, {})[quantity] = math.nan if nan else max(abs(low), abs(high))
         found = []
         for call_id, magnitudes in sorted(per_call.items()):
             bad = tuple(q for q, v in magnitudes.items() if not math.isfinite(v))
@@ -321,7 +323,9 @@ class Sentinel:
         if type(t) is not torch.Tensor or t.numel() == 0:  # tensor subclasses (DTensor) are not read
             return
         with torch.no_grad():
-            self._magnitudes.append((call_id, quantity, torch.linalg.vector_norm(t.detach(), math.inf)))
+            # One reduction kernel; min and max carry NaN and inf (on CPUs, vector_norm(inf) and
+            # isfinite().all() are over ten times slower).
+            self._magnitudes.append((call_id, quantity, torch.aminmax(t.detach())))
 
 
 class WatchedBackend:
