@@ -5,11 +5,12 @@ initialisation, once with the sentinel off and once on with ``sentinel_interval 
 train in this process on one batch of ``--seq`` tokens x ``--batch`` with AdamW, as the trainer
 does a step: forward, backward, optimizer step (the sentinel's step ends in its optimizer
 pre-hook). The steps interleave (off, on-odd, on-even, off, ...) so a loaded machine slows all
-three alike: odd steps of the second model are ``watched`` (the every-step NaN/inf checks alone),
+three alike, and the time taken is the process's CPU time (one thread: OMP_NUM_THREADS=1), which
+other processes on the machine do not inflate: odd steps of the second model are ``watched`` (the every-step NaN/inf checks alone),
 even steps ``checked`` (one layer re-computed with the emulation), and the round robin visits
 every converted layer once. Prints the median and minimum step time of each, and per layer the
-check's own time (the sentinel's ``check_ms``: the re-computation and the comparison; the
-capture happens during the step).
+check's own wall-clock time (the sentinel's ``check_ms``: the re-computation and the comparison;
+the capture happens during the step).
 
 Usage (repository root): ``PYTHONPATH=.:tests OMP_NUM_THREADS=1 python docs/sentinel_overhead_measure.py``
 """
@@ -25,13 +26,13 @@ from titan_primus import sentinel
 from titan_primus.torchtitan import Float8Converter
 
 def step(model, optimizer, tokens) -> float:
-    """Seconds for one step: forward, backward, optimizer step."""
-    started = time.perf_counter()
+    """CPU seconds of one step: forward, backward, optimizer step."""
+    started = time.process_time()
     logits = model(tokens[:, :-1])
     torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten()).backward()
     optimizer.step()
     optimizer.zero_grad()
-    return time.perf_counter() - started
+    return time.process_time() - started
 
 
 def measure(name: str, seq: int, batch: int, warmup: int) -> None:
@@ -56,7 +57,7 @@ def measure(name: str, seq: int, batch: int, warmup: int) -> None:
     assert len(checks) == len(active.layers) and not any(r.breaches for r in active.reports)
     stats = {k: (statistics.median(v), min(v)) for k, v in times.items()}
     off = stats["off"]
-    print(f"{name}: seq {seq} batch {batch}, {len(checks)} converted layers, {len(checks)} steps each; step s "
+    print(f"{name}: seq {seq} batch {batch}, {len(checks)} converted layers, {len(checks)} steps each; step CPU s "
           f"(median / min): off {off[0]:.3f} / {off[1]:.3f}; " + "; ".join(
               f"{k} {m:.3f} / {n:.3f} ({100 * (m / off[0] - 1):+.1f}% / {100 * (n / off[1] - 1):+.1f}%)"
               for k, (m, n) in stats.items() if k != "off"))

@@ -159,6 +159,8 @@ class Sentinel:
         """Every step's report with a check or a finding (tests and tools read them)."""
         self._state = _STEP_IDLE
         self._announced = False
+        self._captured: dict[tuple[str, int], int] = {}
+        """(layer, call) -> the step its breach was saved at: one file per call per run."""
         self._ids = itertools.count()
         self._reset_step_state()
 
@@ -237,7 +239,7 @@ class Sentinel:
         found = []
         for call_id, magnitudes in sorted(per_call.items()):
             bad = tuple(q for q, v in magnitudes.items() if not math.isfinite(v))
-            if not bad:
+            if not bad or call_id not in self._calls:  # (a gradient of a call from a step already ended)
                 continue
             made = ("out",) if "out" in bad and "input" not in bad else ()
             if "grad_output" not in bad:
@@ -249,8 +251,10 @@ class Sentinel:
     def _report(self, report: StepReport) -> None:
         breaches = report.breaches
         for check in report.checks:
-            if check.problems and self.options.capture_folder:
+            key = (check.record.layer, check.record.gemm)
+            if check.problems and self.options.capture_folder and key not in self._captured:
                 path = save_capture(self.options.capture_folder, check.record, report.step, _rank(), check.problems)
+                self._captured[key] = report.step
                 report.captures.append(str(path))
         if report.checks:
             layer = report.checks[0].record
