@@ -5,7 +5,6 @@ checked step, naming the layer; a breach's capture replays with ``titan-primus p
 
 The Primus-Turbo rows run against the TEST DOUBLE (tests/doubles/), not the real kernels."""
 
-import io
 import json
 from types import SimpleNamespace
 

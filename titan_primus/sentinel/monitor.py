@@ -34,7 +34,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..fsdp_fp8 import Fp8GatheredWeight
 from .capture import save_capture
-from .check import FLOOR_DB, GemmCheck, GemmRecord, check_record, snapshot
+from .check import GemmCheck, GemmRecord, check_record, snapshot
 from .options import SentinelLayer, SentinelOptions
 
 __all__ = [
