@@ -73,11 +73,12 @@ def stock_toml(fp8_toml: Path, directory: Path) -> Path:
 
 
 def run_trainer(
-    toml: Path, dump: Path, steps: int, *extra: str, seq_len: int = 128, nproc: int = 1
+    toml: Path, dump: Path, steps: int, *extra: str, seq_len: int = 128, nproc: int = 1, env: dict | None = None,
+    expect_failure: bool = False,
 ) -> tuple[dict[int, float], str]:
     """TorchTitan 0.2's real trainer through the CPU launcher (``nproc`` ranks, gloo); returns
-    ({step: loss}, log)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    ({step: loss}, log). ``env``: added to the environment."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     # Always torchrun, one rank too: its standalone rendezvous binds its own port, where a plain
     # launch (cpu_world picks a free port, then releases it) can lose the port to a concurrent test.
     cmd = [
@@ -88,6 +89,6 @@ def run_trainer(
     ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     log = proc.stdout + proc.stderr
-    if proc.returncode != 0:
-        raise AssertionError(f"trainer failed ({proc.returncode}):\n{log[-6000:]}")
+    if (proc.returncode != 0) != expect_failure:
+        raise AssertionError(f"trainer exit code {proc.returncode} (expected failure: {expect_failure}):\n{log[-6000:]}")
     return {int(s): float(v) for s, v in LOSS.findall(re.sub(r"\x1b\[[0-9;]*m", "", log))}, log

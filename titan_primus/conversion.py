@@ -19,6 +19,7 @@ from .fsdp_fp8 import fp8_all_gather_plan
 from .recipes import check_recipe_name
 from .registry import backends, get_backend
 from .routing import BackendUnavailableError, RoutingDecision, select_backend
+from .sentinel.options import SentinelOptions, sentinel_options
 
 __all__ = [
     "ConversionOptions",
@@ -139,6 +140,16 @@ class ConversionOptions:
     """Under FSDP2, all-gather the weights of FP8 linears and MoE experts as FP8 payload plus
     scales (about half the bytes) wherever that is bit-exact for the recipe and the backend
     takes a pre-quantized weight; elsewhere bf16, with the reason in the routing report."""
+    sentinel_interval: int = 0
+    """Numerics sentinel (docs/sentinel.md): every this many steps, re-compute one converted layer
+    (round robin) with the exact emulation of its recipe and compare; while on, every converted
+    layer's outputs and gradients are also checked for NaN/inf on every step. 0: off."""
+    sentinel_policy: Literal["warn", "stop"] = "warn"
+    """What a sentinel breach does: log a warning, or stop training with the layer, step,
+    backend and figures."""
+    sentinel_capture_folder: str = "sentinel_captures"
+    """Where the sentinel saves a breached layer's inputs (for ``titan-primus parity --replay``);
+    "" saves nothing."""
 
     def check(self) -> None:
         """Raise ValueError naming the bad option. Config files reach here unchecked (TOML values
@@ -158,6 +169,11 @@ class ConversionOptions:
             )
         if self.device is not None:
             device_profile(self.device)  # unknown names fail here, with the known profiles listed
+        self.sentinel()  # bad sentinel options fail here, named
+
+    def sentinel(self) -> SentinelOptions | None:
+        """The numerics sentinel's options, or None when it is off."""
+        return sentinel_options(self.sentinel_interval, self.sentinel_policy, self.sentinel_capture_folder)
 
 
 @dataclass(frozen=True)

@@ -106,6 +106,12 @@ class Fp8Backend(ABC):
         """Can this backend run a recipe object built elsewhere (e.g. one definition compared
         across backends in a parity run)?"""
 
+    def bit_exact_with_emulation(self, op: Op, recipe: Fp8Recipe) -> bool:
+        """Whether ``op`` computes bit for bit what the emulation of ``recipe`` computes from the
+        same inputs on the same device. The numerics sentinel compares such a backend bitwise
+        with the emulation, any other by SQNR against a floor."""
+        return False
+
     def takes_gathered_fp8_weight(self, recipe: Fp8Recipe, op: Op = "linear") -> Verdict:
         """Can ``op`` (``linear``'s weight, or ``grouped_mm``'s B_t, a transposed view of expert
         weights) consume a weight FSDP2 all-gathered as FP8 (the forward cast of ``recipe``),

@@ -246,6 +246,9 @@ class EmulatedBackend(Fp8Backend):
     def accepts(self, recipe: Fp8Recipe) -> Verdict:
         return Verdict.yes("the emulation reproduces every recipe definition")
 
+    def bit_exact_with_emulation(self, op: Op, recipe: Fp8Recipe) -> bool:
+        return True  # it is the emulation
+
     def takes_gathered_fp8_weight(self, recipe: Fp8Recipe, op: Op = "linear") -> Verdict:
         return Verdict.yes("the emulation takes the gathered FP8 weight as it is")
 

@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     parity.add_argument("--require", action="append", default=[], metavar="BACKEND",
                         help="fail unless BACKEND is available and runs (repeatable)")
     parity.add_argument("--quick", action="store_true", help="a small case set (seconds on a CPU)")
+    parity.add_argument("--replay", metavar="FILE",
+                        help="instead of the matrix, re-run a GEMM call the numerics sentinel saved on a breach, on "
+                             "every backend here, against the emulation (exit 1 when a backend here differs)")
 
     bench = commands.add_parser(
         "bench", help="FP8 vs bf16 forward+backward throughput of linears and grouped GEMMs",
@@ -83,6 +86,10 @@ def main(argv: list[str] | None = None) -> int:
             from . import doctor
 
             return doctor.command(args.device, args.json, sys.stdout)
+        if args.command == "parity" and args.replay:
+            from . import replay
+
+            return replay.command(args.replay, args.device, args.json, sys.stdout)
         if args.command == "parity":
             from . import parity
 

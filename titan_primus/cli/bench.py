@@ -34,6 +34,7 @@ from .. import registry
 from ..device import DeviceProfile, detect_device
 from .doctor import describe_error, environment, why_not
 from .fsdp_traffic import render_traffic, traffic_rows
+from .sentinel_cost import render_sentinel_cost, sentinel_cost
 from .report import document, markdown_table, prepare_output, skip_lines, write_document
 from ..routing import RoutingDecision, select_backend
 
@@ -272,6 +273,9 @@ def command(recipes: list[str], quick: bool, compile: bool, iters: int | None, w
     seconds = time.perf_counter() - started
     mode = "torch.compile" if compile else "eager"
     out.write(render(rows, profile, timing, mode, note, seconds))
+    # The sentinel runs eager only (compile refuses it): its cost is measured eager.
+    cost = sentinel_cost(shapes, recipes[0], timing, profile, _step, _time_ms)
+    out.write("\n" + render_sentinel_cost(cost))
     out.write("\n" + render_traffic(fsdp_ranks))
     counts = Counter(r["status"] for r in rows)
     if json_path:
@@ -282,6 +286,7 @@ def command(recipes: list[str], quick: bool, compile: bool, iters: int | None, w
             "peak": {"device": found[0], "fp8_tflops": found[1].fp8, "bf16_tflops": found[1].bf16} if found else None,
             "note": note,
             "fsdp_all_gather_model": traffic_rows(fsdp_ranks),
+            "sentinel_cost": cost,
         }
         summary = {status: counts[status] for status in ("ok", "error", "skipped")}
         summary["seconds"] = round(seconds, 2)

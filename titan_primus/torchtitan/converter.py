@@ -15,6 +15,7 @@ from torchtitan.models.common.linear import Linear
 from torchtitan.models.common.moe import GroupedExperts
 
 from ..conversion import ConversionOptions, LayerRouter, group_alignment, keep_fp8_cast_rounding_under_inductor
+from ..sentinel import COMPILE_UNSUPPORTED, SentinelLayer, drive_trainer
 from .modules import Fp8Linear, fp8_experts_class, is_fp8_config
 
 __all__ = ["Float8Converter", "has_fp8_conversion"]
@@ -71,6 +72,10 @@ def _copy_as(config, new_cls, **extra):
     return new_cls(**{f.name: getattr(config, f.name) for f in fields(config) if f.init}, **extra)
 
 
+def _model_compiled(trainer) -> bool:
+    return trainer.config.compile.enable and "model" in trainer.config.compile.components
+
+
 class Float8Converter(QuantizationConverter):
     """Run FP8 linears and grouped MoE GEMMs on Primus-Turbo, TorchAO or the emulation,
     whichever is best on the device, decided once at conversion time. The fields are
@@ -87,8 +92,15 @@ class Float8Converter(QuantizationConverter):
         options = ConversionOptions(**{f.name: getattr(config, f.name) for f in fields(ConversionOptions)})
         self.router = LayerRouter(options)  # checks the options: bad values fail here
         self.report = self.router.report
+        self.sentinel = options.sentinel()
         keep_fp8_cast_rounding_under_inductor()
         recognise_fp8_in_has_quantization()
+        if self.sentinel:
+            if config.model_compile_enabled:
+                raise ValueError(COMPILE_UNSUPPORTED)
+            from torchtitan.trainer import Trainer
+
+            drive_trainer(Trainer, _model_compiled)
 
     def convert(self, model_config):
         if self.config.linears:
@@ -97,6 +109,9 @@ class Float8Converter(QuantizationConverter):
             model_config = self._convert_experts(model_config)
         logger.info(self.report.summary())
         return model_config
+
+    def _watched(self, fqn: str) -> SentinelLayer | None:
+        return SentinelLayer(self.sentinel, fqn) if self.sentinel else None
 
     def _convert_linears(self, model_config):
         for fqn, linear, parent, attr in list(model_config.traverse(Linear.Config)):
@@ -107,7 +122,7 @@ class Float8Converter(QuantizationConverter):
             )
             if decision is not None:
                 new = _copy_as(linear, Fp8Linear.Config, fp8_backend=decision.backend_name, fp8_recipe=decision.recipe,
-                               fp8_all_gather=self.router.fp8_all_gather("linear"))
+                               fp8_all_gather=self.router.fp8_all_gather("linear"), fp8_sentinel=self._watched(fqn))
                 model_config = _replace(model_config, parent, attr, new)
         return model_config
 
@@ -121,6 +136,6 @@ class Float8Converter(QuantizationConverter):
                 swap_token_dispatcher(parent, alignment)  # ``parent`` is RoutedExperts.Config
             cls = fp8_experts_class(type(experts)._owner)
             new = _copy_as(experts, cls.Config, fp8_backend=decision.backend_name, fp8_recipe=decision.recipe,
-                           fp8_all_gather=self.router.fp8_all_gather("grouped_mm"))
+                           fp8_all_gather=self.router.fp8_all_gather("grouped_mm"), fp8_sentinel=self._watched(fqn))
             model_config = _replace(model_config, parent, attr, new)
         return model_config

@@ -32,6 +32,7 @@ from ..fsdp_fp8 import (
 from ..ops import run_linear
 from ..recipes import Fp8Recipe
 from ..registry import get_backend
+from ..sentinel import SentinelLayer, watch
 
 __all__ = ["Fp8Linear", "fp8_experts_class", "is_fp8_config"]
 
@@ -54,6 +55,8 @@ class _Fp8Module:
             # Wrapped at construction: TorchTitan's partial_dtensor backend calls parallelize
             # only under tensor parallelism, and fully_shard always follows.
             self.use_fp8_all_gather()
+        if config.fp8_sentinel is not None:
+            self.fp8_backend = watch(self, self.fp8_backend, config.fp8_sentinel)
 
     def parallelize(self, parallel_dims) -> None:
         check_parallelism(
@@ -134,6 +137,8 @@ class Fp8Linear(_Fp8Module, Linear):
         """The exact numerics (recipe, definition, FP8 formats) the backend runs."""
         fp8_all_gather: bool = False
         """FSDP2 all-gathers the weight as FP8 (the converter found it exact here)."""
+        fp8_sentinel: SentinelLayer | None = None
+        """The numerics sentinel watches this layer (titan_primus.sentinel)."""
 
     def __init__(self, config: Config):
         super().__init__(config)
@@ -173,6 +178,7 @@ def fp8_experts_class(parent_cls: type[GroupedExperts]) -> type[GroupedExperts]:
             fp8_backend: str
             fp8_recipe: Fp8Recipe
             fp8_all_gather: bool = False
+            fp8_sentinel: SentinelLayer | None = None
 
         def __init__(self, config: Config):
             super().__init__(config)

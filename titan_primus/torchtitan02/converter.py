@@ -18,6 +18,7 @@ from ..conversion import (
     keep_fp8_cast_rounding_under_inductor,
 )
 from ..fsdp_fp8 import fp8_all_gather_plan, precompute_fp8_weight_amaxes
+from ..sentinel import COMPILE_UNSUPPORTED, SentinelLayer, drive_trainer, watch
 from .modules import Fp8GroupedExperts, Fp8Linear
 
 __all__ = ["CONVERTER_NAME", "Float8Converter"]
@@ -51,6 +52,11 @@ def _swap(model: nn.Module, fqn: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent_fqn), name, new)
 
 
+def _model_compiled(job_config) -> bool:
+    compile_config = getattr(job_config, "compile", None)
+    return bool(compile_config and compile_config.enable and "model" in compile_config.components)
+
+
 class Float8Converter:
     """Run FP8 linears and grouped MoE GEMMs on Primus-Turbo, TorchAO or the emulation,
     whichever is best on the device, decided once at conversion time.
@@ -66,7 +72,14 @@ class Float8Converter:
         self.router = LayerRouter(_options(job_config))
         self.parallel_dims = parallel_dims
         self.report = self.router.report
+        self.sentinel = self.router.options.sentinel()
         keep_fp8_cast_rounding_under_inductor()
+        if self.sentinel:
+            if _model_compiled(job_config):
+                raise ValueError(COMPILE_UNSUPPORTED)
+            from torchtitan.train import Trainer
+
+            drive_trainer(Trainer, lambda trainer: _model_compiled(trainer.job_config))
 
     def convert(self, model: nn.Module) -> None:
         options = self.router.options
@@ -90,7 +103,7 @@ class Float8Converter:
         if decision:
             check_parallelism(Fp8Linear.__name__, self.parallel_dims, decision, experts=False)
             # Only where FSDP2 shards the weight (tensor parallelism is refused above).
-            _swap(model, fqn, Fp8Linear.from_linear(linear, decision, self._all_gather_plan("linear", decision)))
+            self._place(model, fqn, Fp8Linear.from_linear(linear, decision, self._all_gather_plan("linear", decision)))
 
     def _convert_experts(self, model: nn.Module, fqn: str, experts: GroupedExperts) -> None:
         unconvertible = None
@@ -106,7 +119,13 @@ class Float8Converter:
             # TorchTitan 0.2 pads token groups to one global multiple (its EP dispatch reads it too).
             set_token_group_alignment_size_m(alignment)
         plan = self._all_gather_plan("grouped_mm", decision)
-        _swap(model, fqn, Fp8GroupedExperts.from_experts(experts, decision, alignment, plan))
+        self._place(model, fqn, Fp8GroupedExperts.from_experts(experts, decision, alignment, plan))
+
+    def _place(self, model: nn.Module, fqn: str, fp8: nn.Module) -> None:
+        """Swap ``fp8`` in at ``fqn``, under the numerics sentinel when it is on."""
+        if self.sentinel:
+            fp8.fp8_backend = watch(fp8, fp8.fp8_backend, SentinelLayer(self.sentinel, fqn))
+        _swap(model, fqn, fp8)
 
     def _all_gather_plan(self, op, decision):
         """The FP8 all-gather plan for ``op``'s weights, where FSDP2 shards them. Tensor and

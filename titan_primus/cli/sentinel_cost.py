@@ -1,0 +1,77 @@
+"""The numerics sentinel's cost, for ``titan-primus bench``: per layer GEMM of each bench shape,
+on the backend ``auto`` picks, one forward+backward plain, watched (what every step costs with
+the sentinel on: the NaN/inf magnitudes, the taps, the step's one host sync) and checked (a
+checked step: the layer captured, re-computed with the emulation and compared).
+
+A model's cost follows: every step pays ``watched - plain`` per GEMM call of every converted
+layer; a checked step pays ``checked - watched`` once, for the one layer checked (docs/sentinel.md).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import sentinel
+from ..routing import BackendUnavailableError, select_backend
+from ..sentinel import SentinelOptions, WatchedBackend
+from .report import markdown_table
+
+__all__ = ["render_sentinel_cost", "sentinel_cost"]
+
+_NEVER = 10**9
+"""An interval no step reaches: every-step checks only."""
+
+
+def _forward(shape, impl, recipe):
+    if shape.op == "linear":
+        return lambda a, w, offs: impl.linear(a, w, None, recipe)
+    return lambda a, w, offs: impl.grouped_mm(a, w.transpose(-2, -1), offs, recipe)
+
+
+def sentinel_cost(shapes, recipe: str, timing, profile, step_fn, time_ms) -> list[dict]:
+    """One row per shape: ms plain, watched and checked; ``step_fn(shape, device, forward)`` and
+    ``time_ms(step, warmup, iters, on_gpu)`` are the bench's own step builder and timer."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rows = []
+    for shape in shapes:
+        row = {"op": shape.op, "case": shape.name, "shape": shape.describe(), "recipe": recipe, "backend": None,
+               "plain_ms": None, "watched_ms": None, "checked_ms": None, "status": "skipped", "reason": ""}
+        rows.append(row)
+        try:
+            decision = select_backend(shape.op, recipe, profile, k=shape.k, n=shape.n)
+        except BackendUnavailableError as e:
+            row["reason"] = str(e)
+            continue
+        row["backend"] = decision.backend_name
+        for key, interval in (("plain_ms", None), ("watched_ms", _NEVER), ("checked_ms", 1)):
+            sentinel.reset()
+            impl = decision.backend
+            if interval is not None:
+                active = sentinel.sentinel_for(SentinelOptions(interval, capture_folder=""))
+                impl = WatchedBackend(active, active.register(shape.name, decision.backend))
+            step = step_fn(shape, device, _forward(shape, impl, decision.recipe))
+
+            def timed_step(step=step):
+                step()
+                if sentinel.active_sentinel():
+                    sentinel.active_sentinel().finish_step()  # what the optimizer step pre-hook does
+
+            row[key] = time_ms(timed_step, *timing, on_gpu=device.type == "cuda")
+        sentinel.reset()
+        row["status"] = "ok"
+    return rows
+
+
+def render_sentinel_cost(rows: list[dict]) -> str:
+    lines = ["numerics sentinel cost per layer GEMM (forward+backward, ms): every step pays watched - plain per GEMM "
+             "call of each converted layer; a checked step pays checked - watched once (docs/sentinel.md)"]
+    table = []
+    for r in rows:
+        if r["status"] != "ok":
+            continue
+        table.append([r["op"], r["case"], r["shape"], r["backend"], r["recipe"], f"{r['plain_ms']:.3g}",
+                      f"{r['watched_ms']:.3g}", f"{r['checked_ms']:.3g}",
+                      f"{r['watched_ms'] - r['plain_ms']:+.3g}", f"{r['checked_ms'] - r['watched_ms']:+.3g}"])
+    lines.append(markdown_table(["op", "case", "shape", "backend", "recipe", "plain", "watched", "checked",
+                                 "every step", "checked step"], table))
+    return "\n".join(lines) + "\n"
