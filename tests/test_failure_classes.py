@@ -157,7 +157,7 @@ def test_fsdp2_gradient_accumulation_with_fp8_all_gather_on_and_off():
     20.5-20.9 dB vs big batch, 2.4 dB dropped."""
     out = torchrun_script("grad_accumulation.py")
     for backend in ("emulated", "torchao"):
-        line = next(l for l in out.splitlines() if l.startswith(f"{backend}:"))
+        line = next(row for row in out.splitlines() if row.startswith(f"{backend}:"))
         assert "FP8-gathered weights 31" in line and "on == off bitwise: True" in line, line
         vs_big, dropped, baseline = (float(line.split(f"{label} ")[1].split(" dB")[0])
                                      for label in ("vs big batch", "dropped microbatch", "big batch vs bf16"))

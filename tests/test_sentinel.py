@@ -200,7 +200,6 @@ def test_a_corrupted_backend_is_caught_on_the_first_checked_step(
                       sentinel_capture_folder=str(tmp_path))
     active = sentinel.active_sentinel()
     if policy == "stop":
-        first = next(p for p in model.parameters() if p.dim() == 2)
         with pytest.raises(SentinelBreach) as raised:
             train(model, caught_at + 1)
         message = str(raised.value)

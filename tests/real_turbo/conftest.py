@@ -17,13 +17,14 @@ Where the sources are absent every test here is skipped with that reason.
 from __future__ import annotations
 
 import os
+
 import pytest
 
 from real_turbo import loader
 
 BUILD = os.environ.get("TITAN_PRIMUS_TURBO_BUILD", "")
 ARCH = os.environ.get("TITAN_PRIMUS_TURBO_ARCH", "gfx942")
-TURBO, SKIP_REASON = loader.from_environment()
+TURBO, _ = loader.from_environment()
 
 # The costliest tests (a training step of a converted model, shape sweeps) run on one
 # architecture per build, alternating, so each build and each architecture is covered; the rest
@@ -33,16 +34,8 @@ one_arch = pytest.mark.skipif(
     ONE_ARCH.get(BUILD) != ARCH, reason=f"runs on {ONE_ARCH.get(BUILD)} for build {BUILD} (costly; each build runs it on one arch)")
 
 
-def pytest_report_header(config):
-    if TURBO is None:
-        return f"Primus-Turbo real-code tier: skipped ({SKIP_REASON})"
-    return f"Primus-Turbo real-code tier: build {BUILD} from {TURBO.__file__}, {ARCH}, Triton interpreter"
-
-
-def pytest_collection_modifyitems(config, items):
-    if TURBO is None:
-        for item in items:
-            item.add_marker(pytest.mark.skip(reason=SKIP_REASON))
+pytest_report_header = loader.report_header
+pytest_collection_modifyitems = loader.skip_without_sources
 
 
 @pytest.fixture

@@ -153,3 +153,23 @@ def load(source: Path, arch: str):
     # A built wheel carries its version (setuptools-scm's _version.py); the shared sources do not.
     primus_turbo.__version__ = source.name.removeprefix("v")
     return turbo
+
+
+def report_header(config) -> str:
+    """``pytest_report_header`` of a tier folder: what it runs, or why it is skipped."""
+    turbo, why_not = from_environment()
+    if turbo is None:
+        return f"Primus-Turbo real-code tier: skipped ({why_not})"
+    arch = os.environ.get("TITAN_PRIMUS_TURBO_ARCH", "gfx942")
+    return f"Primus-Turbo real-code tier: {turbo.__file__}, {arch}, Triton interpreter"
+
+
+def skip_without_sources(config, items) -> None:
+    """``pytest_collection_modifyitems`` of a tier folder: every test skipped, with the reason,
+    where the environment names no usable build."""
+    import pytest
+
+    turbo, why_not = from_environment()
+    if turbo is None:
+        for item in items:
+            item.add_marker(pytest.mark.skip(reason=why_not))

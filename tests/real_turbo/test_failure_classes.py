@@ -16,24 +16,18 @@ RECIPES = ["tensorwise", "rowwise"]
 CASE = ("primus_turbo", ARCH, None)
 
 
+FAILURE_CLASSES = [
+    classes.test_linear_gradient_accumulation_equals_one_big_batch,
+    classes.test_grouped_gradient_accumulation_equals_one_big_batch,
+    classes.test_rows_past_the_routed_tokens_and_idle_experts_get_exact_zeros_after_any_routing,
+    classes.test_two_identical_steps_give_identical_results,
+]
+
+
+@pytest.mark.parametrize("failure_class", FAILURE_CLASSES, ids=lambda f: f.__name__.removeprefix("test_"))
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_linear_gradient_accumulation_equals_one_big_batch(recipe, monkeypatch):
-    classes.test_linear_gradient_accumulation_equals_one_big_batch(*CASE, recipe, monkeypatch)
-
-
-@pytest.mark.parametrize("recipe", RECIPES)
-def test_grouped_gradient_accumulation_equals_one_big_batch(recipe, monkeypatch):
-    classes.test_grouped_gradient_accumulation_equals_one_big_batch(*CASE, recipe, monkeypatch)
-
-
-@pytest.mark.parametrize("recipe", RECIPES)
-def test_rows_past_the_routed_tokens_and_idle_experts_get_exact_zeros(recipe, monkeypatch):
-    classes.test_rows_past_the_routed_tokens_and_idle_experts_get_exact_zeros_after_any_routing(*CASE, recipe, monkeypatch)
-
-
-@pytest.mark.parametrize("recipe", RECIPES)
-def test_two_identical_steps_give_identical_results(recipe, monkeypatch):
-    classes.test_two_identical_steps_give_identical_results(*CASE, recipe, monkeypatch)
+def test_failure_class(failure_class, recipe, monkeypatch):
+    failure_class(*CASE, recipe, monkeypatch)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -64,7 +58,7 @@ def test_fsdp2_gradient_accumulation_with_fp8_all_gather_on_and_off():
     from test_distributed import torchrun_script
 
     out = torchrun_script("grad_accumulation.py")
-    line = next(l for l in out.splitlines() if l.startswith("primus_turbo:"))
+    line = next(row for row in out.splitlines() if row.startswith("primus_turbo:"))
     assert "on == off bitwise: True" in line, line
     vs_big, dropped, baseline = (float(line.split(f"{label} ")[1].split(" dB")[0])
                                  for label in ("vs big batch", "dropped microbatch", "big batch vs bf16"))

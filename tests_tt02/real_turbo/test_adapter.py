@@ -5,13 +5,11 @@ backends that run in any process)."""
 import os
 
 import pytest
-import torch
+import test_numerics as numerics
 import torchtitan.models.moe.utils as moe_utils
-from test_numerics import TOKENS_PER_EXPERT, assert_close_db, converted_module, leaf, reference_experts
 from tt02_helpers import convert, meta_model
 
-import titan_primus as tp
-from titan_primus.torchtitan02 import Fp8GroupedExperts, Fp8Linear
+from titan_primus.torchtitan02 import Fp8GroupedExperts
 
 ARCH = os.environ.get("TITAN_PRIMUS_TURBO_ARCH", "gfx942")  # the harness: conftest.py here
 
@@ -33,36 +31,9 @@ def test_routing_on_mi300_with_primus_turbo():
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_fp8_linear_matches_the_shared_op(recipe):
-    module = converted_module("llama3", "layers.0.feed_forward.w1", "primus_turbo", ARCH, recipe)
-    assert isinstance(module, Fp8Linear)
-    x = torch.randn(2, 24, module.in_features)
-    x1 = leaf(x)
-    out = module(x1)
-    grad_out = torch.randn_like(out)
-    out.backward(grad_out)
-    x2, w2 = leaf(x), leaf(module.weight)
-    ref = tp.fp8_linear(x2, w2, None, recipe=recipe, backend="primus_turbo", device=ARCH)
-    ref.backward(grad_out)
-    assert_close_db(ref, out, "output")
-    assert_close_db(x2.grad, x1.grad, "grad_input")
-    assert_close_db(w2.grad, module.weight.grad, "grad_weight")
+    numerics.test_fp8_linear_matches_the_shared_op("primus_turbo", ARCH, recipe)
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_fp8_experts_match_the_shared_op(recipe):
-    experts = converted_module("deepseek_v3", "layers.1.moe.experts", "primus_turbo", ARCH, recipe)
-    assert isinstance(experts, Fp8GroupedExperts)
-    counts = torch.tensor(TOKENS_PER_EXPERT)
-    x = torch.randn(int(counts.sum()), experts.w1.shape[2])
-    x1 = leaf(x)
-    out = experts(x1, counts)
-    grad_out = torch.randn_like(out)
-    out.backward(grad_out)
-    x2, w1, w2, w3 = (leaf(t) for t in (x, experts.w1, experts.w2, experts.w3))
-    offs = torch.cumsum(counts, 0, dtype=torch.int32)
-    ref = reference_experts(x2, w1, w2, w3, offs, recipe=recipe, backend="primus_turbo", device=ARCH)
-    ref.backward(grad_out)
-    assert_close_db(ref, out, "output")
-    assert_close_db(x2.grad, x1.grad, "grad_input")
-    for name, w in (("w1", w1), ("w2", w2), ("w3", w3)):
-        assert_close_db(w.grad, getattr(experts, name).grad, f"grad {name}")
+    numerics.test_fp8_experts_match_the_shared_op("primus_turbo", ARCH, recipe, pad_token_groups=False)
