@@ -25,7 +25,8 @@ power-of-two scales; ``blockwise``: DeepSeek-V3's 1x128 activation tiles and 128
 blocks with float32 scales) carry their block shapes per operand and their scale rule
 (:class:`BlockScaleRule`); ``docs/recipes-blocked.md`` cites the upstream code for each row.
 Primus-Turbo's block-scaled GEMMs are the same at every build from v0.3.1 to v0.4.1.dev26 for
-``blockwise``; its ``mxfp8`` row is v0.4.0's (the first tag with grouped MX GEMMs).
+``blockwise``; its ``mxfp8`` row is v0.4.0's (the first tag with grouped MX GEMMs; the build
+v0.3.2.dev48 runs the same MX code).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from real_turbo.conftest import ARCH, BUILD, one_arch
 from real_turbo.test_same_as_turbo import _grads
 from titan_primus.torchtitan import Float8Converter
 
-MX_BUILDS = ("v0.4.0", "v0.4.1.dev26")
+MX_BUILDS = ("v0.3.2.dev48", "v0.4.0", "v0.4.1.dev26")  # their MX Python code is the same
 
 
 def test_converter_routes_linears_and_experts_to_primus_turbo():

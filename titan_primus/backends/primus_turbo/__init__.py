@@ -10,7 +10,7 @@ Recipe mapping (titan-primus name -> ``Float8QuantConfig``):
 - ``rowwise`` -> ``format=E4M3, granularity=ROWWISE``.
 - ``blockwise`` -> ``format=E4M3, granularity=BLOCKWISE, block_size=128``.
 - ``mxfp8`` -> ``format=E4M3, granularity=MX_BLOCKWISE, scale_dtype=E8M0, block_size=32``
-  (v0.4.0+, gfx950 only): Primus-Turbo's public ops (their MX quantization and dense GEMMs are
+  (v0.3.2.dev48+, gfx950 only): Primus-Turbo's public ops (their MX quantization and dense GEMMs are
   HIP and FlyDSL kernels), wrapped in titan-primus custom ops whose backward runs the forward
   again from the saved input and weight, so no FP8 copy of the weight outlives the forward.
 - ``rowwise_with_gw_hp`` has no Primus-Turbo equivalent (every Primus-Turbo wgrad is FP8).

@@ -1,4 +1,4 @@
-"""``mxfp8`` on Primus-Turbo (v0.4.0+, gfx950): its public ops, inside titan-primus custom ops.
+"""``mxfp8`` on Primus-Turbo (v0.3.2.dev48+, gfx950): its public ops, inside titan-primus custom ops.
 
 Primus-Turbo's MX quantizers and dense MX GEMMs are HIP and FlyDSL kernels, and its MX autograd
 Functions keep FP8 copies of the weight for backward. Here the public ops run inside custom ops

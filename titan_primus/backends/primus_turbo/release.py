@@ -1,15 +1,15 @@
 """Which Primus-Turbo is installed: its API surface, told apart by signatures, and its build.
 
 titan-primus drives Primus-Turbo from v0.3.1 on, the releases whose Python and Triton code its
-test tier runs (tests/real_turbo: v0.3.1, v0.3.2.dev48, v0.4.0, v0.4.1.dev26). Three API
+test tier runs (tests/real_turbo: v0.3.1, v0.3.2.dev48, v0.4.0, v0.4.1.dev26). Two API
 surfaces matter, each named by the oldest build that has it:
 
 - ``v0.3.1``: ``grouped_gemm_fp8(out_dtype=)``; dense rowwise GEMMs on hipBLASLt falling back
   to CK, dense blockwise on CK (``ops/gemm_fp8.py``);
-- ``v0.3.2.dev48`` (AMD's rocm/primus v26.5 ships it): ``FP8GemmTensorFunction`` takes a
+- ``v0.3.2.dev48`` (AMD's rocm/primus v26.5 ships it; v0.4.0 and v0.4.1.dev26 run the same FP8
+  Python code): ``grouped_gemm_fp8_impl(group_offs_out=)`` and ``FP8GemmTensorFunction`` taking
   pre-quantized ``a_t`` / ``b_t``; dense rowwise and blockwise GEMMs default to Triton; gfx950
-  tensorwise backward runs NT-layout GEMMs on transposed FP8 copies;
-- ``v0.4.0``: ``grouped_gemm_fp8_impl(group_offs_out=)``; grouped MX GEMMs.
+  tensorwise backward runs NT-layout GEMMs on transposed FP8 copies; grouped MX GEMMs.
 
 Older releases are refused with the reason: their Python code cannot be run here, so a rule
 about them would be a guess.
@@ -31,7 +31,7 @@ import torch
 
 __all__ = ["SURFACES", "TurboApi", "UnsupportedRelease", "load_api", "describe_build", "INSTALL_HINT"]
 
-SURFACES = ("v0.3.1", "v0.3.2.dev48", "v0.4.0")
+SURFACES = ("v0.3.1", "v0.3.2.dev48")
 OLDEST = SURFACES[0]
 INSTALL_HINT = "build it from source against ROCm (github.com/AMD-AGI/Primus-Turbo)"
 
@@ -123,10 +123,14 @@ def _surface(enums: ModuleType, gemm_ops: ModuleType, grouped_impl) -> str:
     grouped = importlib.import_module("primus_turbo.pytorch").ops.grouped_gemm_fp8
     if "out_dtype" not in inspect.signature(grouped).parameters:
         raise UnsupportedRelease(_too_old("its grouped_gemm_fp8 has no out_dtype (v0.3.0)"))
-    if "group_offs_out" in [a.name for a in grouped_impl._opoverload._schema.arguments]:
-        return "v0.4.0"
-    if "a_t" in inspect.signature(gemm_ops.FP8GemmTensorFunction.forward).parameters:
+    newer = ("group_offs_out" in [a.name for a in grouped_impl._opoverload._schema.arguments],
+             "a_t" in inspect.signature(gemm_ops.FP8GemmTensorFunction.forward).parameters)
+    if all(newer):
         return "v0.3.2.dev48"
+    if any(newer):
+        raise UnsupportedRelease(f"this Primus-Turbo build has part of the v0.3.2.dev48 API only "
+                                 f"(grouped_gemm_fp8_impl(group_offs_out=), FP8GemmTensorFunction(a_t=): {newer}); "
+                                 f"use a release or an AMD image build")
     return "v0.3.1"
 
 

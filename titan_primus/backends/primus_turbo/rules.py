@@ -46,7 +46,7 @@ TRITON_MIN_CONTRACTION = 256
 TRITON_MIN_CONTRACTION_ORIGAMI = 512
 BLOCKWISE_SIZE = 128
 MX_K_ALIGNMENT = 128
-MX_MIN_SURFACE = "v0.4.0"
+MX_MIN_SURFACE = "v0.3.2.dev48"
 BLOCK_RECIPES = ("mxfp8", "blockwise")
 
 # The backend each build's own autograd Functions name as default: (surface, recipe) -> dense.
@@ -99,7 +99,7 @@ def _block_refusal(recipe: str, device: DeviceProfile, api: TurboApi, k: int | N
     if recipe == "mxfp8":
         if not api.at_least(MX_MIN_SURFACE):
             return (f"Primus-Turbo {api.build} has no grouped MX GEMM and its dense MX GEMM runs another "
-                    f"definition; upgrade Primus-Turbo to >= {MX_MIN_SURFACE}")
+                    f"definition; upgrade Primus-Turbo to >= {MX_MIN_SURFACE} (rocm/primus v26.5) or v0.4.0")
         if device.arch != "gfx950":
             return (f"Primus-Turbo's MX GEMMs need MX hardware (check_mxfp8_support: gfx950 or newer); "
                     f"this is {device.arch}; use recipe 'blockwise' here")
