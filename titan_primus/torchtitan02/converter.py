@@ -5,10 +5,14 @@ from __future__ import annotations
 
 
 import logging
+import sys
 
 from torch import nn
 from torchtitan.models.moe.moe import GroupedExperts
 from torchtitan.models.moe.utils import set_token_group_alignment_size_m
+from torchtitan.protocols.train_spec import get_train_spec
+
+from ..checkpointing import fp8_gemm_save_ops
 
 from ..conversion import (
     ConversionOptions,
@@ -66,6 +70,8 @@ class Float8Converter:
         self.router = LayerRouter(_options(job_config))
         self.parallel_dims = parallel_dims
         self.report = self.router.report
+        # TorchTitan's job config names the model (its train spec); partial ones may not.
+        self.model_name = getattr(getattr(job_config, "model", None), "name", None)
         keep_fp8_cast_rounding_under_inductor()
 
     def convert(self, model: nn.Module) -> None:
@@ -80,6 +86,8 @@ class Float8Converter:
             for fqn, module in modules:
                 if isinstance(module, GroupedExperts):
                     self._convert_experts(model, fqn, module)
+        if self.report.converted() and self.model_name:
+            save_fp8_gemms_under_selective_ac(self.model_name)
         logger.info(self.report.summary())
 
     def _convert_linear(self, model: nn.Module, fqn: str, linear: nn.Linear) -> None:
@@ -124,3 +132,21 @@ class Float8Converter:
         parts = model if isinstance(model, list) else [model]
         precompute_fp8_weight_amaxes(p for part in parts for p in part.parameters())
 
+
+
+def save_fp8_gemms_under_selective_ac(model_name: str) -> None:
+    """Add the backends' FP8 GEMM ops to the save list of TorchTitan 0.2.x's per-op selective
+    activation checkpointing for ``model_name``: the module-level ``_op_sac_save_list`` of the
+    module defining its train spec's ``parallelize_fn``, which that function hands to
+    ``apply_ac`` (read when each op runs, so adding to it before then is enough). Without them
+    every FP8 GEMM of a checkpointed block runs again in backward (TorchAO's ``_scaled_mm``
+    included: 0.2.x's lists hold ``aten.mm`` only)."""
+    parallelize = get_train_spec(model_name).parallelize_fn
+    save_list = getattr(sys.modules.get(getattr(parallelize, "__module__", "")), "_op_sac_save_list", None)
+    if not isinstance(save_list, set):
+        logger.warning(
+            "titan-primus: %s's parallelize function has no _op_sac_save_list: with selective per-op "
+            "activation checkpointing its FP8 GEMMs run again in backward", model_name,
+        )
+        return
+    save_list.update(fp8_gemm_save_ops())
