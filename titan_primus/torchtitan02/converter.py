@@ -78,6 +78,7 @@ class Float8Converter:
         options = self.router.options
         # Listed before the swaps: named_modules() must not walk the modules being replaced.
         modules = list(model.named_modules())
+        self._owners = _owners_of_shared_parameters(model)
         if options.linears:
             for fqn, module in modules:
                 if isinstance(module, nn.Linear):
@@ -97,8 +98,11 @@ class Float8Converter:
         decision = self.router.linear(fqn, linear.in_features, linear.out_features, unconvertible=unconvertible)
         if decision:
             check_parallelism(Fp8Linear.__name__, self.parallel_dims, decision, experts=False)
-            # Only where FSDP2 shards the weight (tensor parallelism is refused above).
-            _swap(model, fqn, Fp8Linear.from_linear(linear, decision, self._all_gather_plan("linear", decision)))
+            # Only where FSDP2 shards the weight (tensor parallelism is refused above); a weight
+            # another module shares (tied weights) keeps its high-precision all-gather.
+            others = [owner for owner in self._owners.get(linear.weight, []) if owner != f"{fqn}.weight"]
+            plan = self._all_gather_plan("linear", decision, fqn, shared_with=", ".join(others) or None)
+            _swap(model, fqn, Fp8Linear.from_linear(linear, decision, plan))
 
     def _convert_experts(self, model: nn.Module, fqn: str, experts: GroupedExperts) -> None:
         unconvertible = None
@@ -116,12 +120,12 @@ class Float8Converter:
         plan = self._all_gather_plan("grouped_mm", decision)
         _swap(model, fqn, Fp8GroupedExperts.from_experts(experts, decision, alignment, plan))
 
-    def _all_gather_plan(self, op, decision):
+    def _all_gather_plan(self, op, decision, fqn=None, shared_with=None):
         """The FP8 all-gather plan for ``op``'s weights, where FSDP2 shards them. Tensor and
         expert parallelism never reach here with one: check_parallelism refuses TP for these
         layers, and EP for every recipe whose expert weights gather in FP8 (tensorwise, and
         Primus-Turbo's rowwise: their scales span experts)."""
-        if not self.router.fp8_all_gather(op) or not self.parallel_dims.fsdp_enabled:
+        if not self.router.fp8_all_gather(op, fqn, shared_with) or not self.parallel_dims.fsdp_enabled:
             return None
         return fp8_all_gather_plan(decision.backend, decision.recipe, op)[0]
 
@@ -132,6 +136,16 @@ class Float8Converter:
         parts = model if isinstance(model, list) else [model]
         precompute_fp8_weight_amaxes(p for part in parts for p in part.parameters())
 
+
+
+def _owners_of_shared_parameters(model: nn.Module) -> dict:
+    """Parameter -> the ``module.name`` of every place holding it, for parameters held in more
+    than one place (tied weights: qwen3's output projection shares the token embedding's)."""
+    owners: dict = {}
+    for module_fqn, module in model.named_modules(remove_duplicate=False):
+        for name, param in module.named_parameters(recurse=False, remove_duplicate=False):
+            owners.setdefault(param, []).append(f"{module_fqn}.{name}" if module_fqn else name)
+    return {param: where for param, where in owners.items() if len(where) > 1}
 
 
 def save_fp8_gemms_under_selective_ac(model_name: str) -> None:
