@@ -24,7 +24,10 @@ __all__ = ["GEMM_OPS", "emulated_fp8_grouped_mm", "emulated_fp8_mm"]
 # flexible_layout: inductor may lay the operands out as it likes (as for aten.mm); with the
 # eager strides imposed, it fuses the casts of a tensor and of its transpose into one CPU kernel
 # its loop splitting cannot generate (torch 2.14: "AssertionError" in try_loop_split).
-@torch.library.custom_op("titan_primus::emulated_fp8_mm", mutates_args=(), tags=(torch.Tag.flexible_layout,))
+_ANY_LAYOUT = (torch.Tag.flexible_layout,)
+
+
+@torch.library.custom_op("titan_primus::emulated_fp8_mm", mutates_args=(), tags=_ANY_LAYOUT)
 def emulated_fp8_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` for 2-D operands of one dtype."""
     with torch.profiler.record_function("titan_primus::emulated_fp8_mm"):
@@ -36,7 +39,7 @@ def _(a, b):
     return a.new_empty((a.shape[0], b.shape[1]))
 
 
-@torch.library.custom_op("titan_primus::emulated_fp8_grouped_mm", mutates_args=())
+@torch.library.custom_op("titan_primus::emulated_fp8_grouped_mm", mutates_args=(), tags=_ANY_LAYOUT)
 def emulated_fp8_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """``torch._grouped_mm(a, b, offs=offs)`` for a 2-D ``a`` and a 3-D ``b`` (groups of a's rows,
     [R, N]) or a 2-D ``b`` (groups along the contracted dim, [E, M, N]), in a's dtype. Rows past
@@ -62,8 +65,8 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.T
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
     """``t``, or a copy laid out with every non-unit stride a multiple of 16 bytes (what
-    torch._grouped_mm asks; inductor may hand over another layout than eager mode builds): its
-    last two dims row-major, else column-major. The callers pad one of them to alignment."""
+    torch._grouped_mm asks; inductor lays operands out as it likes): its last two dims
+    row-major, else column-major. The callers pad one of them to alignment."""
     def aligned(u):
         return all(stride * u.element_size() % 16 == 0 for stride in u.stride() if stride != 1)
 
