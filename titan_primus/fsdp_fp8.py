@@ -406,7 +406,7 @@ def _shared_with(module) -> str | None:
 
 @functools.cache
 def _warn_high_precision(shape: tuple, why: str) -> None:
-    logger.warning("titan-primus: a rowwise FP8 weight of shape %s is all-gathered in high precision: %s", shape, why)
+    logger.warning("titan-primus: an FP8 layer's weight of shape %s is all-gathered in high precision: %s", shape, why)
 
 
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
