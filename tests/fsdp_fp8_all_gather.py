@@ -1,7 +1,8 @@
 """Run by test_fsdp_fp8_all_gather.py under torchrun (2 ranks, gloo): one converted model trained
 for a few steps under FSDP2 (bf16 parameters, fp32 reduction, as TorchTitan sets it) twice from
-the same initialisation, the weights of its FP8 linears and MoE experts (where the recipe
-allows) all-gathered in bf16 and then in FP8. Prints whether losses, gradients and updated
+the same initialisation, the weights of its FP8 linears and MoE experts all-gathered in bf16 and
+then in FP8 where the converter (enable_fsdp_float8_all_gather) gathers them so (the recipe
+allows it, the weight is not tied to another module). Prints whether losses, gradients and updated
 weights are bitwise equal, and the bytes all-gathered per step, counted at the collective (all
 of it) and at the FP8 hooks (the FP8 weights' payload).
 
@@ -69,7 +70,12 @@ def _counting_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_po
 
 Fp8AllGatherWeight.fsdp_pre_all_gather = _counting_pre_all_gather
 
-config = Float8Converter.Config(device=device, recipe=recipe, backend=backend).build().convert(model_config(model_name))
+# The converter decides which weights FSDP2 gathers in FP8 (not a tied one), as in training.
+configs = {
+    on: Float8Converter.Config(device=device, recipe=recipe, backend=backend, enable_fsdp_float8_all_gather=on)
+    .build().convert(model_config(model_name))
+    for on in (False, True)
+}
 mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
@@ -83,13 +89,8 @@ def fp8_modules(model):
 
 
 def sharded(fp8_all_gather: bool):
-    model = build(config, seed=0)
-    expert_weights = set()
-    for module in fp8_modules(model):
-        if fp8_all_gather:
-            module.use_fp8_all_gather()
-        if module.covers_experts:
-            expert_weights.update(module.parameters())
+    model = build(configs[fp8_all_gather], seed=0)
+    expert_weights = {p for module in fp8_modules(model) if module.covers_experts for p in module.parameters()}
     placement = (lambda p: Shard(1) if p in expert_weights else None) if "experts_shard1" in options else None
     for block in model.layers.values():
         fully_shard(block, mp_policy=mp, shard_placement_fn=placement)
@@ -119,6 +120,9 @@ for fp8_all_gather in (False, True):
                               for m in fp8_modules(model) if m.covers_experts == (kind == "experts")
                               for p in m.parameters())
                     for kind in ("linears", "experts")}
+    if getattr(model.config, "enable_weight_tying", False):
+        tied = model.tok_embeddings.weight is model.lm_head.weight
+        print(f"rank {dist.get_rank()} weights tied after {steps} steps (FP8 all-gather {fp8_all_gather}): {tied}")
 
 (l0, g0, b0, s0), (l1, g1, b1, s1) = runs[False], runs[True]
 assert all(type(v) is torch.Tensor for v in s1.values()), "state dict must hold plain tensors"

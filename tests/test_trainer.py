@@ -23,6 +23,9 @@ def test_fp8_training_tracks_bf16_and_learns(tmp_path):
     assert fp8[6] < fp8[1] - 0.5
     assert "titan-primus FP8 routing on CPU" in log
     assert "linears: 31 -> emulated (rowwise (torchao definition, e4m3fn)" in log
+    # The config registry's selective activation checkpointing saves the FP8 GEMMs' outputs.
+    assert "Applied Fp8SelectiveAC activation checkpointing" in log
+    assert "Applied SelectiveAC activation checkpointing" in ref_log
     # TorchTitan knows the run is quantized: no MFU against the bf16 peak, as for its own FP8 runs.
     assert len(MFU.findall(log)) == 6 and set(MFU.findall(log)) == {"N/A"}
     assert len(MFU.findall(ref_log)) == 6 and "N/A" not in MFU.findall(ref_log)
@@ -54,6 +57,8 @@ def test_override_route_on_a_stock_config(tmp_path):
     losses, log = run_trainer(
         "llama3", "llama3_debugmodel", tmp_path / "ovr", 2,
         "--override.imports", 'titan_primus.torchtitan.overrides.fp8={"recipe": "tensorwise"}',
+        "titan_primus.torchtitan.overrides.fp8_selective_ac",
     )
     assert "recipe tensorwise" in log and "linears: 31 -> emulated" in log
+    assert "Applied Fp8SelectiveAC activation checkpointing" in log
     assert len(losses) == 2

@@ -24,6 +24,21 @@ def test_converter_wraps_weights_only_where_fsdp_gathers_them_exactly(recipe, fs
     assert f"linears: {how}" in report.summary() and f"grouped experts: {how}" in report.summary()
 
 
+def test_tied_output_projection_keeps_its_tie_and_bf16_all_gather():
+    """qwen3's debug model ties output.weight to tok_embeddings.weight: the converter swaps the
+    output projection keeping that one parameter and leaves it out of FP8 all-gather (the
+    embedding reads its values); the other linears' weights go in FP8."""
+    model = meta_model("qwen3")
+    assert model.output.weight is model.tok_embeddings.weight
+    report = convert(model, parallel_dims(world_size=2), recipe="tensorwise", device="cpu",
+                     enable_fsdp_float8_all_gather=True).report
+    assert isinstance(model.output, Fp8Linear) and model.output.weight is model.tok_embeddings.weight
+    assert not isinstance(model.output.weight.data, Fp8AllGatherWeight)
+    others = [m.weight for m in model.modules() if isinstance(m, Fp8Linear) and m is not model.output]
+    assert others and all(isinstance(w.data, Fp8AllGatherWeight) for w in others)
+    assert "except output, in bf16: its weight is tied to tok_embeddings.weight" in report.summary()
+
+
 @pytest.mark.trainer
 @pytest.mark.parametrize("model", ["llama3", pytest.param("deepseek_v3", marks=pytest.mark.oldest)])
 def test_fp8_all_gather_matches_it_off(model, tmp_path):

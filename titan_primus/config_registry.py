@@ -5,7 +5,9 @@ appended, optionally followed by a recipe: ``llama3_8b_fp8``, ``deepseek_v3_debu
 ``qwen3_moe_debug_fp8_tensorwise``, ``llama3_70b_fp8_rowwise_with_gw_hp``,
 ``deepseek_v3_debugmodel_fp8_mxfp8``, ``deepseek_v3_671b_fp8_blockwise``. The stock config is
 built as TorchTitan defines it, then the converter (default recipe "rowwise", backend "auto", or
-``TITAN_PRIMUS_BACKEND``) rewrites its model. No Python needed.
+``TITAN_PRIMUS_BACKEND``) rewrites its model, and a selective activation checkpointing config
+becomes :class:`~titan_primus.torchtitan.Fp8SelectiveAC`'s (the FP8 GEMMs' outputs saved, not
+recomputed). No Python needed.
 
 TorchTitan silently swallows an ImportError raised while importing this module, so it imports
 nothing optional at module level: TorchTitan's model registries load on first use.
@@ -45,10 +47,13 @@ def with_fp8(config, **converter_options):
     fields (backend, recipe, filter_fqns, strict, ...).
     """
     from .torchtitan import Float8Converter
+    from .torchtitan.activation_checkpoint import with_fp8_gemms_saved
 
     compile_model = config.compile.enable and "model" in config.compile.components
     converter = Float8Converter.Config(model_compile_enabled=compile_model, **converter_options).build()
     config.model_spec.model = converter.convert(config.model_spec.model)
+    # Selective activation checkpointing saves the FP8 GEMMs' outputs, as it does aten.mm's.
+    config.activation_checkpoint = with_fp8_gemms_saved(config.activation_checkpoint)
     return config
 
 

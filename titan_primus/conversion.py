@@ -195,6 +195,9 @@ class ConversionReport:
     layers: list[LayerRoute] = field(default_factory=list)
     fp8_all_gather: dict[str, Verdict] = field(default_factory=dict)
     """Per op, with enable_fsdp_float8_all_gather on: whether FSDP2 gathers its weights in FP8."""
+    tied: dict[str, str] = field(default_factory=dict)
+    """FP8 layers whose weight FSDP2 gathers in high precision although their op's weights go in
+    FP8, because another module shares it: fqn -> reason."""
 
     def converted(self, kind: str | None = None) -> list[LayerRoute]:
         return [r for r in self.layers if r.backend and kind in (None, r.kind)]
@@ -223,6 +226,8 @@ class ConversionReport:
                 verdict = self.fp8_all_gather[op]
                 how = "FP8 payload + scales" if verdict else "bf16"
                 lines.append(f"  {label}: FSDP2 weight all-gather in {how}: {verdict.reason}")
+                lines += [f"    except {fqn}, in bf16: {why}" for fqn, why in self.tied.items()
+                          if any(r.fqn == fqn for r in self.converted(kind))]
         return "\n".join(lines)
 
 
@@ -271,14 +276,20 @@ class LayerRouter:
         )
         return self._record(fqn, "experts", decision, reason)
 
-    def fp8_all_gather(self, op: Op) -> bool:
+    def fp8_all_gather(self, op: Op, fqn: str | None = None, shared_with: str | None = None) -> bool:
         """Whether FSDP2 all-gathers the FP8 weights of ``op`` as FP8 (the option is on and
-        that is exact here), recorded with the reason in the report."""
+        that is exact here), recorded with the reason in the report. ``shared_with``: the module
+        that shares the weight of the layer at ``fqn`` (tied weights), which then keeps its
+        high-precision all-gather: the other module reads its values."""
         if not self.options.enable_fsdp_float8_all_gather:
             return False
         if op not in self.report.fp8_all_gather:
             decision = self.decision(op)
             self.report.fp8_all_gather[op] = fp8_all_gather_plan(decision.backend, decision.recipe, op)[1]
+        if self.report.fp8_all_gather[op] and shared_with:
+            self.report.tied[fqn] = (f"its weight is tied to {shared_with}, which reads it in high precision; "
+                                     f"the FP8 GEMM quantizes the gathered weight as without the option")
+            return False
         return bool(self.report.fp8_all_gather[op])
 
     def _record(self, fqn, kind, decision: RoutingDecision, reason: str | None) -> RoutingDecision | None:

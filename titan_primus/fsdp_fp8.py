@@ -8,9 +8,10 @@ have made of the gathered high-precision weight, because
 - the shard is first cast to FSDP's ``param_dtype``, as FSDP2 does before a plain all-gather, so
   the same values are quantized (quantizing the fp32 master directly would round twice
   differently);
-- tensorwise: the scale is the amax of the whole weight (an all-reduce of the shards' amaxes,
-  for every FP8 weight at once after each optimizer step, :func:`precompute_fp8_weight_amaxes`),
-  rounded to ``param_dtype`` like the values (rounding is monotone, so this is the amax of the
+- tensorwise: the scale is the amax of the whole weight (one all-reduce of the shards' amaxes
+  for every FP8 weight at once: after each optimizer step, :func:`precompute_fp8_weight_amaxes`,
+  and on the first all-gather that finds amaxes stale, such as the first step's), rounded to
+  ``param_dtype`` like the values (rounding is monotone, so this is the amax of the
   ``param_dtype`` weight);
 - rowwise: a forward scale is per output row (per expert and output row for MoE expert
   weights [E, N, K]), reduced over K, and FSDP2 shards rows or experts, never K, so each rank's
@@ -18,7 +19,10 @@ have made of the gathered high-precision weight, because
   (even dim-0 shards), else the weight is gathered in high precision, with a warning;
 - a weight is gathered in FP8 only where the backward pass needs nothing but that FP8 copy
   (:func:`fp8_all_gather_plan`), and only on backends that take a pre-quantized weight;
-- MoE expert weights are quantized from the bf16 copy TorchTitan's experts cast them to.
+- MoE expert weights are quantized from the bf16 copy TorchTitan's experts cast them to;
+- a weight shared with a module that is not an FP8 GEMM (an output projection tied to the token
+  embedding) is gathered in high precision: the other module reads its values (the converters
+  keep such weights out of FP8 all-gather; the all-gather checks it again).
 
 State dicts hold the plain high-precision tensor (same names, shapes, dtypes). Torch-only: the
 TorchTitan adapters wrap weights and hook the per-step amax precompute.
@@ -27,7 +31,9 @@ TorchTitan adapters wrap weights and hook the per-step amax precompute.
 from __future__ import annotations
 
 import functools
+import gc
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import Literal
 
@@ -204,6 +210,12 @@ class Fp8GatheredWeight(torch.Tensor):
         kept = weight._kept_fp8(func, args, kwargs) if isinstance(weight, Fp8GatheredWeight) else None
         if kept is not None:
             return kept
+        if func is torch.ops.aten.embedding.default and isinstance(weight, Fp8GatheredWeight):
+            raise RuntimeError(
+                "titan-primus: an embedding looked up a weight FSDP2 all-gathered in FP8 (a weight tied to an "
+                "FP8 linear): it would read FP8-rounded values. Keep that linear out of FP8 all-gather (the "
+                "converters do for TorchTitan's weight tying) or turn enable_fsdp_float8_all_gather off."
+            )
         # Anything else (a norm for logging, a print) sees the dequantized weight.
         args, kwargs = tree_map_only(
             Fp8GatheredWeight, lambda t: t.dequantize().to(t.dtype), (args, kwargs)
@@ -323,7 +335,7 @@ class Fp8AllGatherWeight(torch.Tensor):
         param_dtype = mp_policy.param_dtype or self._tensor.dtype
         shard_dim = next((d for d, (a, b) in enumerate(zip(self.shape, outer_size)) if a != b), 0)
         padded_rows = -(-outer_size[0] // world) if shard_dim == 0 else self.shape[0]  # FSDP2 pads dim 0 only
-        high_precision = _why_high_precision(plan, outer_size, shard_dim, world)
+        high_precision = _why_high_precision(plan, outer_size, shard_dim, world) or _shared_with(module)
         if high_precision:
             _warn_high_precision(tuple(outer_size), high_precision)
             return (_pad_rows(self._tensor.to(param_dtype), padded_rows),), (_HIGH_PRECISION, tuple(outer_size), None)
@@ -336,7 +348,7 @@ class Fp8AllGatherWeight(torch.Tensor):
         if plan.granularity == "tensorwise":
             self._group = mesh.get_group()
             if not self.amax_is_fresh():  # first step, or weights changed since the precompute
-                _all_reduce_amaxes([self], self._group)
+                _all_reduce_amaxes(_stale_tensorwise_weights(self), self._group)
             amax = self._amax.to(dtypes[0]).to(dtypes[1])
         data, scale = quantize_weight(shard, plan, amax)
         data = _pad_rows(data, padded_rows)  # uneven sharding: zero rows, cut off after the gather
@@ -381,14 +393,62 @@ def _why_high_precision(plan: Fp8AllGatherPlan, outer_size, shard_dim: int, worl
     return None
 
 
+def _shared_with(module) -> str | None:
+    """Why the weight FSDP2 gathers for ``module`` must stay in high precision because
+    ``module`` is not an FP8 GEMM, or None. FSDP2 names the first module holding a parameter; a
+    weight tied to a module that reads its values (an embedding) lists that one first in every
+    model that builds the embedding before the output projection."""
+    if module is None or getattr(module, "fp8_backend", None) is not None:
+        return None
+    return (f"it is shared with a {type(module).__name__}, which is not an FP8 GEMM and reads its values "
+            f"(tied weights): it keeps its high-precision all-gather")
+
+
 @functools.cache
 def _warn_high_precision(shape: tuple, why: str) -> None:
-    logger.warning("titan-primus: a rowwise FP8 weight of shape %s is all-gathered in high precision: %s", shape, why)
+    logger.warning("titan-primus: an FP8 layer's weight of shape %s is all-gathered in high precision: %s", shape, why)
 
 
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     """``t`` with zero rows appended up to ``rows`` (FSDP2's padded shard size on dim 0)."""
     return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])]) if t.shape[0] < rows else t
+
+
+_TENSORWISE: list[tuple[weakref.ref, str]] = []
+"""(module, parameter name) of every weight given a tensorwise FP8 all-gather, in the order
+:func:`enable_fp8_all_gather` saw them: the same order on every rank."""
+
+
+def _group_name(group) -> str:
+    return group.group_name
+
+
+def _stale_tensorwise_weights(first: Fp8AllGatherWeight) -> list[Fp8AllGatherWeight]:
+    """``first`` and every other tensorwise FP8 weight FSDP2 holds sharded over ``first``'s group
+    whose amax is stale, in registration order: one all-reduce then serves them all, where one
+    per weight would run inside each pre-all-gather hook. Every rank of the group builds the
+    same list (the same modules, sharded the same way, with the same amaxes stale); models no
+    longer referenced are collected first, which garbage collection would otherwise do at
+    different moments on different ranks."""
+    gc.collect()
+    weights, group = [first], _group_name(first._group)
+    for module_ref, name in _TENSORWISE:
+        module = module_ref()
+        param = module._parameters.get(name) if module is not None else None
+        if not isinstance(param, DTensor):  # not sharded by FSDP2 (yet), or unsharded right now
+            continue
+        weight = param._local_tensor
+        if (
+            weight is first or not isinstance(weight, Fp8AllGatherWeight) or weight._plan.granularity != "tensorwise"
+            or weight.amax_is_fresh()
+        ):
+            continue
+        shard_dims = [d for d, p in enumerate(param.placements) if p.is_shard()]
+        if len(shard_dims) != 1 or _group_name(param.device_mesh.get_group(shard_dims[0])) != group:
+            continue
+        weight._group = first._group
+        weights.append(weight)
+    return weights
 
 
 def _all_reduce_amaxes(weights: list[Fp8AllGatherWeight], group) -> None:
@@ -444,8 +504,8 @@ def enable_fp8_all_gather(module: torch.nn.Module, name: str, plan: Fp8AllGather
     """Make FSDP2 all-gather ``module``'s parameter ``name`` as FP8 per ``plan``. Call before
     ``fully_shard``; the parameter may be on the meta device. Tensorwise plans need
     :func:`precompute_fp8_weight_amaxes` after each optimizer step (or
-    :func:`register_amax_precompute_after_optimizer_steps`); without it each all-gather after
-    a step all-reduces its own weight's amax (correct, one collective per weight)."""
+    :func:`register_amax_precompute_after_optimizer_steps`); without it the first all-gather
+    after a step all-reduces the stale amaxes of every such weight of its group at once."""
     param = getattr(module, name)
     if isinstance(_local(param), Fp8AllGatherWeight):
         return
@@ -456,6 +516,9 @@ def enable_fp8_all_gather(module: torch.nn.Module, name: str, plan: Fp8AllGather
         )
     setattr(module, name, torch.nn.Parameter(Fp8AllGatherWeight(param.data, plan), requires_grad=param.requires_grad))
     module.register_state_dict_post_hook(_plain_state_dict)
+    if plan.granularity == "tensorwise":
+        _TENSORWISE[:] = [(ref, n) for ref, n in _TENSORWISE if ref() is not None]
+        _TENSORWISE.append((weakref.ref(module), name))
 
 
 def disable_fp8_all_gather(module: torch.nn.Module, name: str) -> None:

@@ -112,6 +112,14 @@ class Fp8Backend(ABC):
         with the emulation, any other by SQNR against a floor."""
         return False
 
+    def fp8_gemm_ops(self) -> frozenset:
+        """The ops (``torch._ops.OpOverload``) whose outputs are this backend's GEMM results, on
+        every path it takes (eager, compiled; every recipe): selective activation checkpointing
+        saves their outputs rather than run them again in backward (titan_primus.checkpointing),
+        and GEMM counts count their calls. Ops this backend cannot name here (its library not
+        importable) are left out. Default: none."""
+        return frozenset()
+
     def takes_gathered_fp8_weight(self, recipe: Fp8Recipe, op: Op = "linear") -> Verdict:
         """Can ``op`` (``linear``'s weight, or ``grouped_mm``'s B_t, a transposed view of expert
         weights) consume a weight FSDP2 all-gathered as FP8 (the forward cast of ``recipe``),

@@ -25,6 +25,7 @@ from ..recipes import RECIPE_NAMES, Fp8Recipe, GemmCasts, has_definition, make_r
 from ..scaling import fake_quantize, quantize, quantize_per_group, unscale
 from .base import Fp8Backend, Op, TensorParallelShards, Verdict
 from .emulated_blocked import blocked_grouped_mm, blocked_linear
+from .emulated_gemm import GEMM_OPS, emulated_fp8_grouped_mm, emulated_fp8_mm
 
 __all__ = ["EmulatedBackend"]
 
@@ -87,7 +88,7 @@ class _EmulatedLinear(torch.autograd.Function):
         )
         casts = recipe.output
         x_q = fake_quantize(x, casts.a, recipe, 1, *ctx.x_shard)
-        out = _gemm_result(x_q @ _cast(weight, casts.b, recipe, 1, *ctx.w_shard).t(), casts, recipe, x.dtype)
+        out = _gemm_result(emulated_fp8_mm(x_q, _cast(weight, casts.b, recipe, 1, *ctx.w_shard).t()), casts, recipe, x.dtype)
         # Bias is added in the output's dtype, after the GEMM, as TorchAO's Float8Linear does.
         return out if bias is None else out + bias.to(x.dtype)
 
@@ -108,11 +109,11 @@ class _EmulatedLinear(torch.autograd.Function):
         grad_gemm = grad_out.to(recipe.gemm_out_dtype(grad_out.dtype))
         if ctx.needs_input_grad[0]:
             c = recipe.grad_input  # [M, N] @ [N, K]: contract over N
-            grad_x = fake_quantize(grad_gemm, c.a, recipe, 1, *gs) @ _cast(weight, c.b, recipe, 0, *ws)
+            grad_x = emulated_fp8_mm(fake_quantize(grad_gemm, c.a, recipe, 1, *gs), _cast(weight, c.b, recipe, 0, *ws))
             grad_x = _gemm_result(grad_x, c, recipe, x.dtype)
         if ctx.needs_input_grad[1]:
             c = recipe.grad_weight  # [N, M] @ [M, K]: contract over M
-            grad_w = fake_quantize(grad_gemm, c.a, recipe, 0, *gs).t() @ fake_quantize(x, c.b, recipe, 0, *xs)
+            grad_w = emulated_fp8_mm(fake_quantize(grad_gemm, c.a, recipe, 0, *gs).t(), fake_quantize(x, c.b, recipe, 0, *xs))
             grad_w = _gemm_result(grad_w, c, recipe, x.dtype).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad_out.to(torch.float32).sum(0).to(grad_out.dtype)
@@ -137,8 +138,8 @@ def _operand(x: torch.Tensor, cast, recipe: Fp8Recipe, contract_dim: int) -> tup
 
 
 def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    # torch._grouped_mm takes bfloat16 only (CPU and its compile-time meta kernel alike).
-    return torch._grouped_mm(a, b, offs=offs).to(torch.float32)
+    # Operands in bfloat16, which torch._grouped_mm takes on every device.
+    return emulated_fp8_grouped_mm(a, b, offs).to(torch.float32)
 
 
 def _unscaled(acc: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, recipe: Fp8Recipe) -> torch.Tensor:
@@ -248,6 +249,9 @@ class EmulatedBackend(Fp8Backend):
 
     def bit_exact_with_emulation(self, op: Op, recipe: Fp8Recipe) -> bool:
         return True  # it is the emulation
+
+    def fp8_gemm_ops(self) -> frozenset:
+        return GEMM_OPS
 
     def takes_gathered_fp8_weight(self, recipe: Fp8Recipe, op: Op = "linear") -> Verdict:
         return Verdict.yes("the emulation takes the gathered FP8 weight as it is")

@@ -5,10 +5,9 @@ times its cell's scale_inv is multiplied in float32, as the block-scaled kernels
 partial products by both operands' scales in float32. Every GEMM re-quantizes from the
 high-precision tensors (both upstreams do so for these recipes).
 
-Grouped GEMMs multiply the dequantized operands in float32: with ``torch._grouped_mm`` in eager
-mode on a CPU, else (under ``torch.compile``, whose ``_grouped_mm`` takes only bfloat16, and on
-GPUs) as one masked GEMM per expert, a static loop that compiles fullgraph. 1x128-tile scales
-are not powers of two, so a bfloat16 product of dequantized values would not be exact.
+Grouped GEMMs multiply the dequantized operands in float32 (``emulated_fp8_grouped_mm``:
+``torch._grouped_mm`` on a CPU, one masked GEMM per expert on GPUs). 1x128-tile scales are not
+powers of two, so a bfloat16 product of dequantized values would not be exact.
 """
 
 from __future__ import annotations
@@ -16,8 +15,9 @@ from __future__ import annotations
 import torch
 
 from ..block_scaling import cells_of, dequantize, quantize_blocks
-from ..grouping import group_ids, zero_trailing_rows
+from ..grouping import zero_trailing_rows
 from ..recipes import Fp8Recipe, OperandCast
+from .emulated_gemm import emulated_fp8_grouped_mm, emulated_fp8_mm
 
 __all__ = ["blocked_linear", "blocked_grouped_mm"]
 
@@ -58,7 +58,7 @@ class _BlockedLinear(torch.autograd.Function):
             ctx.save_for_backward(x, weight)
             ctx.recipe, ctx.has_bias = recipe, bias is not None
             c = recipe.output  # [M, K] @ [N, K]^T
-            out = _cast(x, c.a, recipe) @ _cast(weight, c.b, recipe).t()
+            out = emulated_fp8_mm(_cast(x, c.a, recipe), _cast(weight, c.b, recipe).t())
             out = out.to(recipe.gemm_out_dtype(out_dtype)).to(out_dtype)
             # Bias is added in the output's dtype, after the GEMM, as the backends add it.
             return out if bias is None else out + bias.to(out_dtype)
@@ -74,38 +74,25 @@ class _BlockedLinear(torch.autograd.Function):
             grad_gemm = grad_out.to(gemm_dtype)
             if ctx.needs_input_grad[0]:
                 c = recipe.grad_input  # [M, N] @ [K, N]^T: contract over N
-                grad_x = _cast(grad_gemm, c.a, recipe) @ _cast(weight.t(), c.b, recipe).t()
+                grad_x = emulated_fp8_mm(_cast(grad_gemm, c.a, recipe), _cast(weight.t(), c.b, recipe).t())
                 grad_x = grad_x.to(gemm_dtype).to(x.dtype)
             if ctx.needs_input_grad[1]:
                 c = recipe.grad_weight  # [N, M] @ [K, M]^T: contract over M
-                grad_w = _cast(grad_gemm.t(), c.a, recipe) @ _cast(x.t(), c.b, recipe).t()
+                grad_w = emulated_fp8_mm(_cast(grad_gemm.t(), c.a, recipe), _cast(x.t(), c.b, recipe).t())
                 grad_w = grad_w.to(gemm_dtype).to(weight.dtype)
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 grad_b = grad_out.to(torch.float32).sum(0).to(grad_out.dtype)
         return grad_x, grad_w, grad_b, None
 
 
-def _eager_cpu(t: torch.Tensor) -> bool:
-    # torch._grouped_mm multiplies float32 on a CPU in eager mode (not under compile, not on GPUs).
-    return t.device.type == "cpu" and not torch.compiler.is_compiling()
+def _per_expert(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Row r of the result is a[r] @ b[expert of r].T: a [R, C], b [E, N, C]; rows of no expert are 0."""
+    return zero_trailing_rows(emulated_fp8_grouped_mm(a, b.transpose(-2, -1), offs), offs)
 
 
-def _per_expert(a: torch.Tensor, b: torch.Tensor, ids: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """Row r of the result is a[r] @ b[ids[r]].T: a [R, C], b [E, N, C]; rows of no expert are 0."""
-    if _eager_cpu(a):
-        return zero_trailing_rows(torch._grouped_mm(a, b.transpose(-2, -1), offs=offs), offs)
-    out = a.new_zeros(a.shape[0], b.shape[1])
-    for e in range(b.shape[0]):
-        out = torch.where((ids == e).unsqueeze(1), a @ b[e].t(), out)
-    return out
-
-
-def _per_group_outer(g: torch.Tensor, a: torch.Tensor, ids: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+def _per_group_outer(g: torch.Tensor, a: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """[E, N, K]: entry e is g[:, rows of e] @ a[:, rows of e].T, for g [N, R] and a [K, R]."""
-    if _eager_cpu(g):
-        return torch._grouped_mm(g, a.t(), offs=offs)
-    zero = torch.zeros((), device=g.device)
-    return torch.stack([torch.where(ids == e, g, zero) @ a.t() for e in range(len(offs))])
+    return emulated_fp8_grouped_mm(g, a.t(), offs)
 
 
 class _BlockedGroupedMM(torch.autograd.Function):
@@ -113,28 +100,27 @@ class _BlockedGroupedMM(torch.autograd.Function):
     def forward(ctx, A, B_t, offs, recipe: Fp8Recipe):
         with _no_autocast(A):
             A = zero_trailing_rows(A, offs)
-            ids = group_ids(offs, A.shape[0])
             c = recipe.output  # per expert: [rows, K] @ [N, K]^T
-            out = _per_expert(_cast(A, c.a, recipe), _cast(B_t.transpose(-2, -1), c.b, recipe), ids, offs)
-            ctx.save_for_backward(A, B_t, offs, ids)
+            out = _per_expert(_cast(A, c.a, recipe), _cast(B_t.transpose(-2, -1), c.b, recipe), offs)
+            ctx.save_for_backward(A, B_t, offs)
             ctx.recipe = recipe
             return out.to(torch.bfloat16)
 
     @staticmethod
     def backward(ctx, grad_out):
-        A, B_t, offs, ids = ctx.saved_tensors
+        A, B_t, offs = ctx.saved_tensors
         recipe = ctx.recipe
         grad_A = grad_B = None
         with _no_autocast(grad_out):
             grad_out = zero_trailing_rows(grad_out, offs)
             if ctx.needs_input_grad[0]:
                 c = recipe.grad_input  # per expert: [rows, N] @ [K, N]^T
-                grad_A = _per_expert(_cast(grad_out, c.a, recipe), _cast(B_t, c.b, recipe), ids, offs).to(A.dtype)
+                grad_A = _per_expert(_cast(grad_out, c.a, recipe), _cast(B_t, c.b, recipe), offs).to(A.dtype)
             if ctx.needs_input_grad[1]:
                 c = recipe.grad_weight  # per expert: [N, rows] @ [K, rows]^T, token blocks per group
                 g = _cast(grad_out.t(), c.a, recipe, segments=offs)
                 a = _cast(A.t(), c.b, recipe, segments=offs)
-                grad_B = _per_group_outer(g, a, ids, offs).transpose(-2, -1).to(B_t.dtype)
+                grad_B = _per_group_outer(g, a, offs).transpose(-2, -1).to(B_t.dtype)
         return grad_A, grad_B, None, None
 
 

@@ -1,4 +1,5 @@
-"""TorchAO backend: ``torchao.float8``'s linear autograd function, and
+"""TorchAO backend: ``torchao.float8``'s linear autograd function (its forward GEMM called as
+``torch._scaled_mm``, see ``_linear_function``), and
 ``_to_fp8_rowwise_then_scaled_grouped_mm`` for MoE grouped GEMMs; for ``mxfp8`` the MXFP8
 training GEMMs of ``torchao.prototype.moe_training`` (SM100; on a CPU, by name, TorchAO's own
 emulated MX mode), for ``blockwise`` ``torchao.prototype.blockwise_fp8_training`` (SM90).
@@ -188,10 +189,23 @@ class TorchAOBackend(Fp8Backend):
         ``recipe``, built once."""
         key = (recipe.name, recipe.e4m3, recipe.e5m2)
         if key not in self._linear_configs:
-            from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
-
-            self._linear_configs[key] = (matmul_with_hp_or_float8_args, *_linear_configs(recipe))
+            self._linear_configs[key] = (_linear_function(), *_linear_configs(recipe))
         return self._linear_configs[key]
+
+    def fp8_gemm_ops(self) -> frozenset:
+        # torch._scaled_mm / _scaled_grouped_mm (and F.scaled_mm's _v2 forms) on every path that
+        # runs FP8 kernels; the blockwise GEMM is a Triton custom op, registered when its module
+        # imports (it needs Triton). TorchAO's CPU-only emulated MX linear multiplies with aten.mm.
+        aten = torch.ops.aten
+        ops = {aten._scaled_mm.default, aten._scaled_grouped_mm.default}
+        ops |= {getattr(aten, name).default for name in ("_scaled_mm_v2", "_scaled_grouped_mm_v2") if hasattr(aten, name)}
+        if not self._import_error:
+            try:
+                importlib.import_module("torchao.prototype.blockwise_fp8_training.kernels")
+                ops.add(torch.ops.torchao.blockwise_scaled_mm.default)
+            except (ImportError, AttributeError):
+                pass
+        return frozenset(ops)
 
     def accepts(self, recipe: Fp8Recipe) -> Verdict:
         if recipe.definition != "torchao":
@@ -278,6 +292,43 @@ class TorchAOBackend(Fp8Backend):
             pad_token_groups_for_grouped_mm=False,
         )
         return zero_trailing_rows(out, offs)
+
+
+def _linear_function():
+    """TorchAO's linear autograd function (``matmul_with_hp_or_float8_args``), with its forward
+    GEMM called as what it is. TorchAO's forward multiplies its Float8TrainingTensors with
+    ``torch.mm``, so activation checkpointing's dispatch mode, which sees an op before the tensor
+    subclass does, takes the FP8 GEMM for a high-precision ``aten.mm`` (TorchTitan's selective
+    policy recomputes every second one; 0.2.x saves no ``_scaled_mm``). Here the forward makes
+    the same casts with TorchAO's functions and calls TorchAO's ``mm`` implementation directly,
+    which reaches ``torch._scaled_mm`` with the FP8 payloads: the same kernel and numerics, seen
+    as ``aten._scaled_mm``. The backward is TorchAO's own."""
+    from torchao.float8.distributed_utils import tensor_already_casted_to_fp8
+    from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+    from torchao.float8.float8_ops import float8_mm
+    from torchao.float8.float8_scaling_utils import get_maybe_axiswise_dim, hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import GemmInputRole
+
+    def cast(t, cast_config, config, mm_config, role, axiswise_dim):
+        if tensor_already_casted_to_fp8(t):  # a weight FSDP2 all-gathered in FP8
+            return t
+        granularity = cast_config.scaling_granularity
+        return hp_tensor_to_float8_dynamic(
+            t, cast_config.target_dtype, mm_config, gemm_input_role=role, scaling_granularity=granularity,
+            axiswise_dim=get_maybe_axiswise_dim(axiswise_dim, granularity),
+            round_scales_to_power_of_2=config.round_scales_to_power_of_2,
+        )
+
+    class Float8Matmul(matmul_with_hp_or_float8_args):
+        @staticmethod
+        def forward(ctx, input_hp, weight_hp_t, linear_mm_config, config):
+            ctx.save_for_backward(input_hp, weight_hp_t)
+            ctx.linear_mm_config, ctx.config = linear_mm_config, config
+            a = cast(input_hp, config.cast_config_input, config, linear_mm_config, GemmInputRole.INPUT, -1)
+            b = cast(weight_hp_t, config.cast_config_weight, config, linear_mm_config, GemmInputRole.WEIGHT, 0)
+            return float8_mm(torch.ops.aten.mm.default, (a, b))
+
+    return Float8Matmul
 
 
 def _linear_configs(recipe: Fp8Recipe):

@@ -46,8 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "every backend here, against the emulation (exit 1 when a backend here differs)")
 
     bench = commands.add_parser(
-        "bench", help="FP8 vs bf16 forward+backward throughput of linears and grouped GEMMs",
-        description="Time FP8 linear and grouped GEMM forward+backward per available backend against bf16.",
+        "bench", help="FP8 vs bf16 forward+backward throughput of linears and grouped GEMMs (--memory: memory)",
+        description="Time FP8 linear and grouped GEMM forward+backward per available backend against bf16; "
+                    "with --memory, audit what each converted layer keeps for backward and model memory per rank.",
     )
     bench.add_argument("--json", metavar="PATH", help="write the results to PATH (docs/json-schema.md)")
     bench.add_argument("--recipe", action="append", choices=RECIPE_NAMES, metavar="RECIPE",
@@ -58,14 +59,25 @@ def build_parser() -> argparse.ArgumentParser:
                        help="torch.compile each forward, as TorchTitan compiles its blocks (TorchAO fuses its casts only then)")
     bench.add_argument("--quick", action="store_true", help="one shape per op, one iteration (for tests)")
     bench.add_argument("--fsdp-ranks", type=_positive, default=8, metavar="N",
-                       help="ranks for the modelled FSDP2 all-gather traffic with/without FP8 all-gather (default 8)")
+                       help="FSDP degree of the modelled all-gather traffic and memory per rank (default 8)")
+    bench.add_argument("--memory", action="store_true",
+                       help="instead of timing: the bytes each backend's converted layer keeps from forward to "
+                            "backward, and modelled memory per rank of Llama3-8B/70B/405B and DeepSeek-V3-671B "
+                            "(on a GPU also the measured peak of converted blocks under FSDP2)")
+    bench.add_argument("--seq-len", type=_positive, default=8192, metavar="N",
+                       help="sequence length of the --memory model (default 8192)")
+    bench.add_argument("--local-batch", type=_positive, default=1, metavar="N",
+                       help="sequences per rank and step of the --memory model (default 1)")
 
     report = commands.add_parser(
-        "report", help="render parity/bench JSON files side by side as Markdown",
-        description="Render parity and bench results files side by side as Markdown, optionally a PNG plot.",
+        "report", help="render parity/bench/memory JSON files side by side as Markdown",
+        description="Render parity, bench and bench --memory results files side by side as Markdown, optionally a PNG plot.",
     )
     report.add_argument("files", nargs="+", metavar="FILE", help="results files written with --json")
-    report.add_argument("--png", metavar="PATH", help="also plot SQNR per case per backend to PATH (needs matplotlib)")
+    report.add_argument("--png", metavar="PATH",
+                        help="also plot SQNR per case per backend (parity files) or bytes kept per layer (memory files) "
+                             "to PATH; both kinds: the memory plot goes to PATH with '-memory' before the suffix "
+                             "(needs matplotlib)")
     return parser
 
 
@@ -94,6 +106,11 @@ def main(argv: list[str] | None = None) -> int:
             from . import parity
 
             return parity.command(args.device, args.quick, args.require, args.json, sys.stdout, sys.stderr)
+        if args.command == "bench" and args.memory:
+            from . import memory_audit
+
+            return memory_audit.command(args.recipe or list(RECIPE_NAMES), args.quick, args.json, sys.stdout,
+                                        args.fsdp_ranks, args.seq_len, args.local_batch)
         if args.command == "bench":
             from . import bench
 

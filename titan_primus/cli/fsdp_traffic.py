@@ -13,16 +13,17 @@ and expert block, router gates kept in high precision); embeddings, norms and ro
 stay bf16. Expert weights sharded on dim 0 (TorchTitan's choice while the FSDP degree is at
 most the number of experts; beyond it, rowwise expert weights are gathered in bf16).
 
-Shapes: TorchTitan 0.3.0 ``models/llama3/__init__.py`` (``_8b``, ``_70b``) and
-``models/deepseek_v3/__init__.py`` (``_671b``: MLA attention, 3 dense + 58 MoE layers, 256
-routed experts of hidden 2048, one shared expert).
+Shapes: :mod:`titan_primus.cli.model_shapes` (TorchTitan 0.3.0's Llama3-8B/70B/405B and
+DeepSeek-V3-671B).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Weight", "MODELS", "MEASURED_ON_GLOO", "step_bytes", "traffic_rows", "render_traffic"]
+from .model_shapes import ARCHITECTURES, Architecture
+
+__all__ = ["Weight", "MODELS", "step_bytes", "traffic_rows", "render_traffic"]
 
 
 @dataclass(frozen=True)
@@ -40,40 +41,16 @@ class Weight:
         return self.rows * self.cols * self.count
 
 
-def _llama3(layers: int, dim: int, kv_dim: int, ffn: int, vocab: int) -> list[Weight]:
-    linears = [(dim, dim), (kv_dim, dim), (kv_dim, dim), (dim, dim), (ffn, dim), (ffn, dim), (dim, ffn)]
-    return [
-        *(Weight(r, c, layers, fp8=True) for r, c in linears),
-        Weight(2, dim, layers),  # attention and FFN norms
-        Weight(vocab, dim),  # token embeddings
-        Weight(1, dim, gathers=1),  # final norm
-        Weight(vocab, dim, fp8=True, gathers=1),  # output projection
-    ]
+def _weights(arch: Architecture) -> list[Weight]:
+    weights = [Weight(arch.vocab, arch.dim)]  # token embeddings
+    for block in arch.blocks:
+        weights += [Weight(g.n, g.k, block.count * (arch.experts if g.routed else 1), fp8=g.fp8) for g in block.gemms]
+        weights.append(Weight(1, block.norm_params, block.count))
+    out = arch.output
+    return weights + [Weight(1, arch.dim, gathers=1), Weight(out.n, out.k, fp8=True, gathers=1)]  # final norm, output
 
 
-def _deepseek_v3_671b() -> list[Weight]:
-    dim, layers, dense, heads, q_rank, kv_rank, nope, rope, v = 7168, 61, 3, 128, 1536, 512, 128, 64, 128
-    moe = layers - dense
-    attention = [(q_rank, dim), (heads * (nope + rope), q_rank), (kv_rank + rope, dim),
-                 (heads * (nope + v), kv_rank), (dim, heads * v)]
-    return [
-        *(Weight(r, c, layers, fp8=True) for r, c in attention),
-        Weight(1, 2 * dim + q_rank + kv_rank, layers),  # attention, FFN, q and kv norms
-        *(Weight(r, c, dense, fp8=True) for r, c in [(18432, dim), (18432, dim), (dim, 18432)]),
-        *(Weight(r, c, moe, fp8=True) for r, c in [(2048, dim), (2048, dim), (dim, 2048)]),  # shared expert
-        Weight(256, dim, moe),  # router gate (high precision)
-        *(Weight(r, c, moe * 256, fp8=True) for r, c in [(2048, dim), (2048, dim), (dim, 2048)]),  # routed experts
-        Weight(129280, dim),
-        Weight(1, dim, gathers=1),
-        Weight(129280, dim, fp8=True, gathers=1),
-    ]
-
-
-MODELS = {
-    "Llama3-8B": _llama3(32, 4096, 1024, 14336, 128256),
-    "Llama3-70B": _llama3(80, 8192, 1024, 28672, 128256),
-    "DeepSeek-V3-671B": _deepseek_v3_671b(),
-}
+MODELS = {name: _weights(arch) for name, arch in ARCHITECTURES.items()}
 
 
 def step_bytes(weights: list[Weight], ranks: int, fp8: str | None) -> float:
@@ -102,13 +79,6 @@ def traffic_rows(ranks: int) -> list[dict]:
     return rows
 
 
-MEASURED_ON_GLOO = (
-    "Measured on gloo, 2 ranks, 2026-11-30 (docs/measurements.md; tests/fsdp_fp8_all_gather.py): the FP8-gathered "
-    "weights moved 0.5000x their bf16 bytes (tensorwise) and 0.5055-0.5067x (rowwise, fp32 row scales); a whole step "
-    "0.5235x (llama3 debug) and 0.5043x (deepseek_v3 debug, expert weights included)."
-)
-
-
 def render_traffic(ranks: int) -> str:
     from .report import markdown_table
 
@@ -124,5 +94,4 @@ def render_traffic(ranks: int) -> str:
         f"see titan_primus/cli/fsdp_traffic.py), GiB:",
         "rowwise applies to the Primus-Turbo v0.3.1+ definition only; other rowwise definitions gather in bf16",
         markdown_table(["model", "params FP8-gathered", "bf16", "FP8 tensorwise", "FP8 rowwise"], table),
-        MEASURED_ON_GLOO,
     ]) + "\n"

@@ -1,7 +1,8 @@
 """The results file format shared by ``parity`` and ``bench`` (docs/json-schema.md), and
 ``titan-primus report``: several results files side by side as Markdown, optionally a PNG.
 
-A results file is one JSON object: ``schema_version``, ``kind`` ("parity" or "bench"),
+A results file is one JSON object: ``schema_version``, ``kind`` ("parity", "bench", or "memory"
+for ``bench --memory``, which adds ``estimates`` and ``gpu_peak``),
 ``environment`` (date, versions, device profile; see :func:`titan_primus.cli.doctor.environment`),
 ``settings``, ``results`` (a list of rows) and ``summary``. SQNR values that are not finite are
 written as the strings "inf" (bitwise equal) and "-inf" (non-finite output), so every file is
@@ -25,6 +26,7 @@ __all__ = [
     "load_document",
     "markdown_table",
     "parse_db",
+    "plot_memory_png",
     "plot_sqnr_png",
     "render_markdown",
     "skip_lines",
@@ -32,7 +34,7 @@ __all__ = [
 ]
 
 SCHEMA_VERSION = 1
-RESULT_KINDS = ("parity", "bench")
+RESULT_KINDS = ("parity", "bench", "memory")
 _TOP_LEVEL_KEYS = ("schema_version", "kind", "environment", "settings", "results", "summary")
 _ROW_KEYS = ("op", "case", "backend", "status", "reason")
 
@@ -204,7 +206,29 @@ def render_markdown(labelled: list[tuple[str, dict]]) -> str:
             _side_by_side(_ran(labelled, "bench"), lambda r: (r["op"], r["case"], r["recipe"] or "-", r["backend"]),
                           ["op", "case", "recipe", "backend"], _bench_cell, group=2),
         ]
+    if any(doc["kind"] == "memory" for _, doc in labelled):
+        memory = [(label, doc) for label, doc in labelled if doc["kind"] == "memory"]
+        out += [
+            "", "## Memory: bytes a converted layer keeps from forward to backward, besides its parameter", "",
+            _side_by_side(_ran(memory, "memory"), lambda r: (r["op"], r["recipe"], r["case"], r["backend"]),
+                          ["op", "recipe", "path", "backend"], _memory_cell, group=2),
+            "", "## Memory per rank, GiB, total without / with full activation checkpointing (a MODEL)", "",
+            _side_by_side([(label, doc.get("estimates", [])) for label, doc in memory],
+                          lambda e: (e["model"], e["column"]), ["model", "column"], _estimate_cell, group=1),
+        ]
     return "\n".join(out) + "\n"
+
+
+def _memory_cell(row: dict) -> str:
+    if row["status"] != "ok":
+        return row["status"]
+    kept = row["kept"]
+    return (f"{row['kept_bytes']:,} B (FP8 {kept['activation_fp8']:,}, other act. {kept['activation_hp']:,}, "
+            f"weight copies {kept['weight_copy']:,})")
+
+
+def _estimate_cell(row: dict) -> str:
+    return f"{row['total_no_ac_bytes'] / 2**30:.1f} / {row['total_full_ac_bytes'] / 2**30:.1f}"
 
 
 # Headroom past this is drawn at it (bitwise-equal results have infinite SQNR).
@@ -223,13 +247,7 @@ def _headroom(row: dict) -> float:
 
 def plot_sqnr_png(labelled: list[tuple[str, dict]], path: str) -> None:
     """Per case and backend, the headroom of SQNR vs fp32 over its bar; one panel per parity file."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")  # files only, no display needed
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        raise ResultsFileError(f"--png needs matplotlib ({e}); pip install matplotlib") from None
+    plt = _pyplot()
     parity = [(label, [r for r in doc["results"] if r["status"] != "skipped"])
               for label, doc in labelled if doc["kind"] == "parity"]
     if not parity:
@@ -267,10 +285,65 @@ def plot_sqnr_png(labelled: list[tuple[str, dict]], path: str) -> None:
     plt.close(fig)
 
 
+_MEMORY_COLORS = {"activation_fp8": "C0", "activation_hp": "C1", "weight_copy": "C3", "other": "C7"}
+
+
+def plot_memory_png(labelled: list[tuple[str, dict]], path: str) -> None:
+    """Per audited layer, the bytes it keeps for backward stacked by kind (weight copies in red);
+    one panel per memory file."""
+    plt = _pyplot()
+    memory = [(label, [r for r in doc["results"] if r["status"] == "ok"]) for label, doc in labelled if doc["kind"] == "memory"]
+    if not memory:
+        raise ResultsFileError("no file is a bench --memory run")
+    cases = list(dict.fromkeys(f"{r['backend']} {r['recipe']} {r['op']} {r['case']}" for _, rows in memory for r in rows))
+    fig, axes = plt.subplots(1, len(memory), figsize=(6 * len(memory) + 3, 0.25 * len(cases) + 2.5), squeeze=False, sharey=True)
+    for ax, (label, rows) in zip(axes[0], memory):
+        left = [0.0] * len(cases)
+        for category, color in _MEMORY_COLORS.items():
+            ys, widths, starts = [], [], []
+            for r in rows:
+                i = cases.index(f"{r['backend']} {r['recipe']} {r['op']} {r['case']}")
+                ys.append(i)
+                widths.append(r["kept"][category] / 1024)
+                starts.append(left[i])
+                left[i] += r["kept"][category] / 1024
+            ax.barh(ys, widths, left=starts, color=color, label=category.replace("_", " "))
+        ax.set_title(label, fontsize=9)
+        ax.set_xlabel("KiB kept from forward to backward, besides the parameter", fontsize=7)
+    axes[0, 0].set_yticks(range(len(cases)), cases, fontsize=6)
+    axes[0, 0].invert_yaxis()
+    handles, names = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="lower center", ncol=len(names), fontsize=7)
+    fig.suptitle("titan-primus bench --memory: what each converted layer keeps for backward", fontsize=10)
+    fig.tight_layout(rect=(0, 0.05, 1, 0.97))
+    prepare_output(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only, no display needed
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise ResultsFileError(f"--png needs matplotlib ({e}); pip install matplotlib") from None
+    return plt
+
+
 def command(paths: list[str], png: str | None, out) -> int:
     labelled = [(_label(p, doc), doc) for p, doc in ((p, load_document(p)) for p in paths)]
     out.write(render_markdown(labelled))
     if png:
-        plot_sqnr_png(labelled, png)
-        out.write(f"\nPNG written to {png}\n")
+        kinds = {doc["kind"] for _, doc in labelled}
+        targets = []
+        if "parity" in kinds or "memory" not in kinds:
+            plot_sqnr_png(labelled, png)
+            targets.append(png)
+        if "memory" in kinds:
+            target = png if not targets else str(Path(png).with_name(f"{Path(png).stem}-memory{Path(png).suffix}"))
+            plot_memory_png(labelled, target)
+            targets.append(target)
+        out.write("".join(f"\nPNG written to {t}\n" for t in targets))
     return 0

@@ -76,6 +76,15 @@ def _model_compiled(trainer) -> bool:
     return trainer.config.compile.enable and "model" in trainer.config.compile.components
 
 
+def _tied_linears(model_config) -> dict[str, str]:
+    """Linears whose weight another module shares: fqn -> that module. TorchTitan 0.3's decoder
+    ties ``tok_embeddings.weight`` to ``lm_head.weight`` when ``enable_weight_tying`` is set
+    (models/common/decoder.py; qwen3's small flavors and debug model, llama3's 1B and 3B)."""
+    if getattr(model_config, "enable_weight_tying", False):
+        return {"lm_head": "tok_embeddings.weight"}
+    return {}
+
+
 class Float8Converter(QuantizationConverter):
     """Run FP8 linears and grouped MoE GEMMs on Primus-Turbo, TorchAO or the emulation,
     whichever is best on the device, decided once at conversion time. The fields are
@@ -114,6 +123,7 @@ class Float8Converter(QuantizationConverter):
         return SentinelLayer(self.sentinel, fqn) if self.sentinel else None
 
     def _convert_linears(self, model_config):
+        tied = _tied_linears(model_config)
         for fqn, linear, parent, attr in list(model_config.traverse(Linear.Config)):
             custom = type(linear) is not Linear.Config
             decision = self.router.linear(
@@ -121,8 +131,9 @@ class Float8Converter(QuantizationConverter):
                 unconvertible=f"{type(linear).__qualname__} has its own forward, which FP8 would replace" if custom else None,
             )
             if decision is not None:
+                all_gather = self.router.fp8_all_gather("linear", fqn, shared_with=tied.get(fqn))
                 new = _copy_as(linear, Fp8Linear.Config, fp8_backend=decision.backend_name, fp8_recipe=decision.recipe,
-                               fp8_all_gather=self.router.fp8_all_gather("linear"), fp8_sentinel=self._watched(fqn))
+                               fp8_all_gather=all_gather, fp8_sentinel=self._watched(fqn))
                 model_config = _replace(model_config, parent, attr, new)
         return model_config
 

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 
 import logging
+import sys
 
 from torch import nn
 from torchtitan.models.moe.moe import GroupedExperts
 from torchtitan.models.moe.utils import set_token_group_alignment_size_m
+from torchtitan.protocols.train_spec import get_train_spec
+
+from ..checkpointing import fp8_gemm_save_ops
 
 from ..conversion import (
     ConversionOptions,
@@ -73,6 +77,8 @@ class Float8Converter:
         self.parallel_dims = parallel_dims
         self.report = self.router.report
         self.sentinel = self.router.options.sentinel()
+        # TorchTitan's job config names the model (its train spec); partial ones may not.
+        self.model_name = getattr(getattr(job_config, "model", None), "name", None)
         keep_fp8_cast_rounding_under_inductor()
         if self.sentinel:
             if _model_compiled(job_config):
@@ -85,6 +91,7 @@ class Float8Converter:
         options = self.router.options
         # Listed before the swaps: named_modules() must not walk the modules being replaced.
         modules = list(model.named_modules())
+        self._owners = _owners_of_shared_parameters(model)
         if options.linears:
             for fqn, module in modules:
                 if isinstance(module, nn.Linear):
@@ -93,6 +100,8 @@ class Float8Converter:
             for fqn, module in modules:
                 if isinstance(module, GroupedExperts):
                     self._convert_experts(model, fqn, module)
+        if self.report.converted() and self.model_name:
+            save_fp8_gemms_under_selective_ac(self.model_name)
         logger.info(self.report.summary())
 
     def _convert_linear(self, model: nn.Module, fqn: str, linear: nn.Linear) -> None:
@@ -102,8 +111,11 @@ class Float8Converter:
         decision = self.router.linear(fqn, linear.in_features, linear.out_features, unconvertible=unconvertible)
         if decision:
             check_parallelism(Fp8Linear.__name__, self.parallel_dims, decision, experts=False)
-            # Only where FSDP2 shards the weight (tensor parallelism is refused above).
-            self._place(model, fqn, Fp8Linear.from_linear(linear, decision, self._all_gather_plan("linear", decision)))
+            # Only where FSDP2 shards the weight (tensor parallelism is refused above); a weight
+            # another module shares (tied weights) keeps its high-precision all-gather.
+            others = [owner for owner in self._owners.get(linear.weight, []) if owner != f"{fqn}.weight"]
+            plan = self._all_gather_plan("linear", decision, fqn, shared_with=", ".join(others) or None)
+            self._place(model, fqn, Fp8Linear.from_linear(linear, decision, plan))
 
     def _convert_experts(self, model: nn.Module, fqn: str, experts: GroupedExperts) -> None:
         unconvertible = None
@@ -127,12 +139,12 @@ class Float8Converter:
             fp8.fp8_backend = watch(fp8, fp8.fp8_backend, SentinelLayer(self.sentinel, fqn))
         _swap(model, fqn, fp8)
 
-    def _all_gather_plan(self, op, decision):
+    def _all_gather_plan(self, op, decision, fqn=None, shared_with=None):
         """The FP8 all-gather plan for ``op``'s weights, where FSDP2 shards them. Tensor and
         expert parallelism never reach here with one: check_parallelism refuses TP for these
         layers, and EP for every recipe whose expert weights gather in FP8 (tensorwise, and
         Primus-Turbo's rowwise: their scales span experts)."""
-        if not self.router.fp8_all_gather(op) or not self.parallel_dims.fsdp_enabled:
+        if not self.router.fp8_all_gather(op, fqn, shared_with) or not self.parallel_dims.fsdp_enabled:
             return None
         return fp8_all_gather_plan(decision.backend, decision.recipe, op)[0]
 
@@ -143,3 +155,31 @@ class Float8Converter:
         parts = model if isinstance(model, list) else [model]
         precompute_fp8_weight_amaxes(p for part in parts for p in part.parameters())
 
+
+
+def _owners_of_shared_parameters(model: nn.Module) -> dict:
+    """Parameter -> the ``module.name`` of every place holding it, for parameters held in more
+    than one place (tied weights: qwen3's output projection shares the token embedding's)."""
+    owners: dict = {}
+    for module_fqn, module in model.named_modules(remove_duplicate=False):
+        for name, param in module.named_parameters(recurse=False, remove_duplicate=False):
+            owners.setdefault(param, []).append(f"{module_fqn}.{name}" if module_fqn else name)
+    return {param: where for param, where in owners.items() if len(where) > 1}
+
+
+def save_fp8_gemms_under_selective_ac(model_name: str) -> None:
+    """Add the backends' FP8 GEMM ops to the save list of TorchTitan 0.2.x's per-op selective
+    activation checkpointing for ``model_name``: the module-level ``_op_sac_save_list`` of the
+    module defining its train spec's ``parallelize_fn``, which that function hands to
+    ``apply_ac`` (read when each op runs, so adding to it before then is enough). Without them
+    every FP8 GEMM of a checkpointed block runs again in backward (TorchAO's ``_scaled_mm``
+    included: 0.2.x's lists hold ``aten.mm`` only)."""
+    parallelize = get_train_spec(model_name).parallelize_fn
+    save_list = getattr(sys.modules.get(getattr(parallelize, "__module__", "")), "_op_sac_save_list", None)
+    if not isinstance(save_list, set):
+        logger.warning(
+            "titan-primus: %s's parallelize function has no _op_sac_save_list: with selective per-op "
+            "activation checkpointing its FP8 GEMMs run again in backward", model_name,
+        )
+        return
+    save_list.update(fp8_gemm_save_ops())

@@ -96,6 +96,18 @@ class PrimusTurboBackend(Fp8Backend):
             ),
         }
 
+    def fp8_gemm_ops(self) -> frozenset:
+        """Primus-Turbo's low-level GEMM custom ops (every recipe but mxfp8, eager and compiled)
+        and the custom ops the mxfp8 path wraps its public ops in."""
+        api = self._api
+        if isinstance(api, str):
+            return frozenset()
+        return frozenset({
+            api.gemm._opoverload, api.grouped._opoverload, api.grouped_variable_k._opoverload,
+            torch.ops.titan_primus.primus_turbo_mx_linear.default,
+            torch.ops.titan_primus.primus_turbo_mx_grouped_mm.default,
+        })
+
     def takes_gathered_fp8_weight(self, recipe: Fp8Recipe, op: Op = "linear") -> Verdict:
         api = self._api
         why = None

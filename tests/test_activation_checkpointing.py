@@ -1,0 +1,109 @@
+"""Selective activation checkpointing keeps the FP8 GEMMs (TorchTitan 0.3): with
+``Fp8SelectiveAC`` (TorchTitan's ``SelectiveAC`` whose ``get_save_ops`` adds every backend's
+``fp8_gemm_ops``), a training step of a converted debug model runs three FP8 GEMMs per op, as it
+does without activation checkpointing; TorchTitan's stock policy runs the emulated backend's again
+in backward. Counted per executed kernel (tests/gemm_count.py), eager and under TorchTitan's
+per-block torch.compile. The 0.2.x save list: tests_tt02/test_activation_checkpointing.py."""
+
+import pytest
+import torch
+from gemm_count import count_gemms
+from titan_helpers import build, model_config
+
+import titan_primus as tp
+from titan_primus.checkpointing import fp8_gemm_save_ops
+from titan_primus.torchtitan import Float8Converter, Fp8SelectiveAC
+
+def _compile_blocks(model) -> None:
+    from torchtitan.config import CompileConfig
+    from torchtitan.distributed.compile import apply_compile
+    from torchtitan.distributed.parallel_dims import ParallelDims
+
+    torch._dynamo.reset()
+    single = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, world_size=1)
+    apply_compile(model, compile_config=CompileConfig(enable=True), parallel_dims=single)
+
+
+def gemms_per_step(config, ac, compiled: bool, ops, count=count_gemms) -> tuple[int, int]:
+    """(FP8 GEMMs in the forward, in forward + backward) of one training step of ``config``
+    built with activation checkpointing ``ac`` (a Config, or None); ``count(fn, ops, compiled)``
+    returns ``(fn(), GEMMs it ran)``."""
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC  # noqa: F401  (TorchTitan's)
+
+    model = build(config, seed=0)
+    if ac is not None:
+        ac.build().apply(model)
+    tokens = torch.randint(0, 2048, (2, 32), generator=torch.Generator().manual_seed(3))
+
+    def step():
+        out, forward = count(lambda: model(tokens), ops, compiled)
+        _, backward = count(lambda: out.float().pow(2).mean().backward(), ops, compiled)
+        return forward, forward + backward
+
+    if compiled:
+        _compile_blocks(model)
+        step()  # compiles (the counts of a step that compiles are not the kernels')
+        model.zero_grad(set_to_none=True)
+    return step()
+
+
+CASES = [
+    pytest.param("emulated", "cpu", "llama3", "rowwise", False, id="emulated-llama3-eager"),
+    pytest.param("emulated", "cpu", "deepseek_v3", "rowwise", False, id="emulated-deepseek_v3-eager"),
+    pytest.param("emulated", "cpu", "llama3", "rowwise", True, id="emulated-llama3-compiled"),
+    pytest.param("torchao", "cpu", "llama3", "tensorwise", False, id="torchao-llama3-eager"),
+    pytest.param("torchao", "cpu", "llama3", "tensorwise", True, id="torchao-llama3-compiled"),
+]
+
+
+@pytest.mark.parametrize("backend, device, model, recipe, compiled", CASES)
+def test_selective_ac_runs_three_fp8_gemms_per_op(backend, device, model, recipe, compiled):
+    """Debug models (llama3: 31 FP8 linears, 30 of them in checkpointed blocks; deepseek_v3: 58
+    FP8 linears and grouped GEMMs) converted to one backend: FP8 GEMMs per step without activation
+    checkpointing, with TorchTitan's SelectiveAC and with Fp8SelectiveAC. Measured (2026-12-01):
+    emulated llama3 93 / 123 / 93 eager, 93 / 117 / 93 compiled; deepseek_v3 174 / 231 / 174;
+    TorchAO 93 / 93 / 93 (its FP8 GEMMs reach the policy as aten._scaled_mm, in TorchTitan's
+    default save set). Primus-Turbo's own code: tests/real_turbo/test_activation_checkpointing.py."""
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC
+
+    ops = tp.registry.get_backend(backend).fp8_gemm_ops()
+    config = Float8Converter.Config(device=device, backend=backend, recipe=recipe).build().convert(model_config(model))
+    forward, plain = gemms_per_step(config, None, compiled, ops)
+    _, stock = gemms_per_step(config, SelectiveAC.Config(), compiled, ops)
+    _, fp8 = gemms_per_step(config, Fp8SelectiveAC.Config(), compiled, ops)
+    assert forward > 0 and plain == 3 * forward, (forward, plain)
+    assert fp8 == plain, (plain, stock, fp8)
+    if backend == "emulated":  # the emulated GEMM ops are in no stock save set: recomputed
+        assert stock > plain, (plain, stock, fp8)
+
+
+def test_save_set_is_torchtitans_plus_the_backends_gemm_ops():
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC
+
+    stock = SelectiveAC.Config().build().get_save_ops()
+    ours = Fp8SelectiveAC.Config().build().get_save_ops()
+    assert ours == set(stock) | fp8_gemm_save_ops()
+    assert torch.ops.titan_primus.emulated_fp8_mm.default in ours
+    assert torch.ops.titan_primus.emulated_fp8_grouped_mm.default in ours
+    assert torch.ops.aten._scaled_mm.default in ours
+
+
+def test_config_registry_and_override_select_it():
+    """``--module titan_primus --config <stock>_fp8`` turns a stock SelectiveAC.Config into
+    Fp8SelectiveAC.Config (same fields); other activation checkpointing is left alone. The
+    ``fp8_selective_ac`` override does the same on a stock config."""
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+    from titan_primus import config_registry
+    from titan_primus.torchtitan.activation_checkpoint import with_fp8_gemms_saved
+    from titan_primus.torchtitan.overrides import fp8_selective_ac
+
+    config = config_registry.llama3_debugmodel_fp8()
+    assert type(config.activation_checkpoint) is Fp8SelectiveAC.Config
+    stock = SelectiveAC.Config(force_recompute_mm_shapes_by_fqns=["x.y"], preserve_rng_state=False)
+    ours = with_fp8_gemms_saved(stock)
+    assert type(ours) is Fp8SelectiveAC.Config
+    assert (ours.force_recompute_mm_shapes_by_fqns, ours.preserve_rng_state) == (["x.y"], False)
+    full = FullAC.Config()
+    assert with_fp8_gemms_saved(full) is full and with_fp8_gemms_saved(None) is None
+    assert type(fp8_selective_ac(SelectiveAC.Config())) is Fp8SelectiveAC.Config

@@ -1,0 +1,290 @@
+"""``titan-primus bench --memory``: what each backend's converted layer keeps from forward to
+backward, and what that makes of a model's memory per rank under FSDP2.
+
+1. The per-layer audit (measured, :func:`titan_primus.memory.audit_layer`): for every available
+   backend and recipe, a linear and a grouped GEMM, eager and under ``torch.compile``, with the
+   weight as FSDP2 hands it over (bf16, or all-gathered in FP8 where that is exact): the bytes of
+   FP8 and other activations, parameter storage (FSDP-managed) and weight copies kept.
+2. Estimates for Llama3-8B/70B/405B and DeepSeek-V3-671B (a MODEL, :mod:`.memory_model`) at a
+   chosen FSDP degree, sequence length and local batch, per audited backend and recipe, beside
+   bf16 and TorchAO's Float8Linear (the ``torchao`` backend's rows) on the same shapes.
+3. On a GPU: the peak memory of a few converted blocks under FSDP2, measured
+   (``torch.cuda.max_memory_allocated``), beside the same blocks in bf16.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections import Counter
+
+import torch
+import torch.nn.functional as F
+
+from .. import registry
+from ..backends.base import OPS
+from ..device import DeviceProfile, detect_device
+from ..fsdp_fp8 import fp8_all_gather_plan
+from ..memory import AUDIT_SHAPES, CATEGORIES, audit_layer
+from ..routing import select_backend
+from .doctor import describe_error, environment, why_not
+from .memory_model import ASSUMPTIONS, BF16, GemmMemory, estimate_rows
+from .report import document, markdown_table, prepare_output, skip_lines, write_document
+
+__all__ = ["audit_rows", "command", "gemm_memory_columns", "gpu_peak_rows", "render"]
+
+PATHS = ("eager", "compiled")
+
+
+def _row(backend: str, recipe: str, op: str, path: str, all_gather: bool) -> dict:
+    shape = AUDIT_SHAPES[op]
+    return {"op": op, "case": f"{path}{', FP8 all-gather' if all_gather else ''}", "shape": shape.describe(),
+            "backend": backend, "recipe": recipe, "definition": None, "path": path, "fp8_all_gather": all_gather,
+            "status": "skipped", "reason": "", "kept": None, "kept_bytes": None, "input_by_reference": None}
+
+
+def audit_rows(profile: DeviceProfile, recipes: list[str], paths=PATHS) -> list[dict]:
+    """One row per backend x op x recipe x path x (bf16 / FP8 all-gather) on ``profile``."""
+    rows = []
+    for backend in registry.backends().values():
+        for op in OPS:
+            shape = AUDIT_SHAPES[op]
+            for recipe in recipes:
+                reason = why_not(backend, op, recipe, profile, k=shape.k, n=shape.n)
+                resolved = None if reason else select_backend(op, recipe, profile, backend.name, k=shape.k, n=shape.n).recipe
+                for path in paths:
+                    for all_gather in (False, True):
+                        row = _row(backend.name, recipe, op, path, all_gather)
+                        rows.append(row)
+                        row["reason"] = reason
+                        if reason:
+                            continue
+                        row["definition"] = resolved.definition
+                        if all_gather:
+                            plan, verdict = fp8_all_gather_plan(backend, resolved, op)
+                            if plan is None:
+                                row["reason"] = f"gathered in bf16: {verdict.reason}"
+                                continue
+                        _audit(row, backend, resolved, op, path, all_gather)
+    return rows
+
+
+def _audit(row: dict, backend, recipe, op: str, path: str, all_gather: bool) -> None:
+    try:
+        result = audit_layer(backend, recipe, AUDIT_SHAPES[op], compiled=path == "compiled", fp8_all_gather=all_gather)
+    except Exception as e:  # one backend breaking must not hide the others' figures
+        row.update(status="error", reason=describe_error(e))
+        return
+    kept = result["kept"]
+    row.update(status="ok", kept=kept, kept_bytes=sum(v for k, v in kept.items() if k != "parameter"),
+               input_by_reference=result["input_by_reference"])
+
+
+def _gemm_memory(row: dict) -> GemmMemory:
+    """Per-element figures of one audited GEMM (a bf16-weight row, or an FP8 all-gather row)."""
+    shape = AUDIT_SHAPES[row["op"]]
+    kept = row["kept"]
+    inputs = shape.rows * shape.k
+    activations = kept["activation_fp8"] + kept["activation_hp"] + kept["other"]
+    if row["input_by_reference"]:
+        activations -= 2 * inputs  # the bf16 input itself, counted once per group of GEMMs reading it
+    weight = shape.k * shape.n * (len(shape.groups) or 1)
+    gathered = {}
+    if row["fp8_all_gather"]:  # one byte per element, and what the scales add per row
+        gathered = {"gathered_bytes": 1.0, "gathered_row_bytes": (kept["parameter"] - weight) / (weight // shape.k)}
+    return GemmMemory(input_bytes=activations / inputs, input_by_reference=row["input_by_reference"],
+                      weight_copy_bytes=kept["weight_copy"] / weight, **gathered)
+
+
+def gemm_memory_columns(rows: list[dict]) -> dict[str, dict[bool, GemmMemory | None]]:
+    """The estimates' columns: bf16, and each audited backend and recipe (its compiled rows
+    where they ran, else eager), with the weights gathered in bf16, and in FP8 where audited so,
+    as {routed grouped GEMM?: GemmMemory}. A grouped GEMM without an FP8 all-gather row keeps
+    its bf16-gather figures in the FP8-gather column (its weights then gather in bf16)."""
+    ok = {(r["backend"], r["recipe"], r["op"], r["path"], r["fp8_all_gather"]): r for r in rows if r["status"] == "ok"}
+    columns: dict[str, dict[bool, GemmMemory | None]] = {"bf16": {False: BF16, True: BF16}}
+    for backend, recipe in dict.fromkeys((r["backend"], r["recipe"]) for r in ok.values()):
+        path = "compiled" if (backend, recipe, "linear", "compiled", False) in ok else "eager"
+        linear = ok.get((backend, recipe, "linear", path, False))
+        if linear is None:
+            continue
+        name = f"{backend} {recipe} ({linear['definition']} definition, {path}"
+        for gather in (False, True):
+            if gather and (backend, recipe, "linear", path, True) not in ok:
+                continue
+            memory = {}
+            for routed, op in ((False, "linear"), (True, "grouped_mm")):
+                row = ok.get((backend, recipe, op, path, gather)) or ok.get((backend, recipe, op, path, False))
+                memory[routed] = row and _gemm_memory(row)
+            columns[f"{name}, {'FP8' if gather else 'bf16'} all-gather)"] = memory
+    return columns
+
+
+# --- measured on a GPU: a few converted blocks under FSDP2 -----------------------------------
+
+
+class _Block(torch.nn.Module):
+    """x + w2(gelu(w1(x))): two GEMMs of Llama3-8B's FFN shapes."""
+
+    def __init__(self, dim: int, hidden: int, linear, device):
+        super().__init__()
+        self.w1 = torch.nn.Parameter(torch.randn(hidden, dim, device=device) * 0.02)
+        self.w2 = torch.nn.Parameter(torch.randn(dim, hidden, device=device) * 0.02)
+        self.linear = linear
+
+    def forward(self, x):
+        return x + self.linear(F.gelu(self.linear(x, self.w1)), self.w2)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def blocks_peak(linear, device: torch.device, blocks: int = 4, dim: int = 4096, hidden: int = 14336,
+                tokens: int = 8192) -> int | None:
+    """Peak bytes allocated beyond the sharded model during one forward + backward of ``blocks``
+    blocks under FSDP2 (one rank; bf16 parameters; every block resharded after its forward), on
+    ``device``; None where the device reports no allocator peak (a CPU: the run still checks the
+    path works). Starts (and ends) a one-rank process group if none is running."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    started = not dist.is_initialized()
+    if started:
+        backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        model = torch.nn.Sequential(*(_Block(dim, hidden, linear, device) for _ in range(blocks)))
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in model:
+            fully_shard(block, mp_policy=mp, reshard_after_forward=True)
+        fully_shard(model, mp_policy=mp)
+        x = torch.randn(tokens, dim, device=device, dtype=torch.bfloat16, requires_grad=True)
+        on_gpu = device.type == "cuda"
+        if on_gpu:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+        model(x).float().pow(2).mean().backward()
+        if not on_gpu:
+            return None
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before
+    finally:
+        if started:
+            dist.destroy_process_group()
+
+
+def gpu_peak_rows(profile: DeviceProfile, recipes: list[str]) -> list[dict]:
+    """On a GPU: the blocks' peak in bf16 and with each backend's FP8 linear."""
+    device = torch.device("cuda")
+    rows = [{"backend": "bf16", "recipe": None, "status": "ok", "reason": "",
+             "peak_bytes": blocks_peak(lambda x, w: F.linear(x, w), device)}]
+    for backend in registry.backends().values():
+        for recipe in recipes:
+            row = {"backend": backend.name, "recipe": recipe, "status": "skipped", "peak_bytes": None,
+                   "reason": why_not(backend, "linear", recipe, profile, k=4096, n=14336)}
+            rows.append(row)
+            if row["reason"]:
+                continue
+            decision = select_backend("linear", recipe, profile, backend.name, k=4096, n=14336)
+            try:
+                row["peak_bytes"] = blocks_peak(lambda x, w, d=decision: d.backend.linear(x, w, None, d.recipe), device)
+                row["status"] = "ok"
+            except Exception as e:
+                row.update(status="error", reason=describe_error(e))
+    for row in rows[1:]:
+        if row["status"] == "ok" and rows[0]["peak_bytes"]:
+            row["vs_bf16"] = row["peak_bytes"] / rows[0]["peak_bytes"]
+    return rows
+
+
+# --- output ------------------------------------------------------------------------------------
+
+
+def _bytes(value) -> str:
+    return "-" if value is None else f"{value:,}"
+
+
+def _gib(value: float) -> str:
+    return f"{value / 2**30:.1f}"
+
+
+def render(rows: list[dict], estimates: list[dict], gpu: list[dict] | None, profile: DeviceProfile,
+           settings: dict, seconds: float) -> str:
+    shapes = ", ".join(f"{op} {s.describe()}" for op, s in AUDIT_SHAPES.items())
+    lines = [
+        f"titan-primus bench --memory on {profile.describe()}",
+        f"bytes a converted layer keeps from forward to backward (torch.autograd.graph.saved_tensors_hooks), "
+        f"bf16 input and weight; {shapes}",
+        "parameter = the weight's own storage or its FSDP2-gathered FP8 payload (FSDP-managed: freed after the "
+        "forward, gathered again for backward); weight copies = other weight-shaped storage (under FSDP2 every "
+        "layer's stays resident)",
+        "",
+    ]
+    ran = [r for r in rows if r["status"] != "skipped"]
+    table = [[r["op"], r["backend"], r["recipe"], r["definition"] or "-", r["case"],
+              *(_bytes(r["kept"] and r["kept"][c]) for c in CATEGORIES),
+              "yes" if r["input_by_reference"] else "-" if r["input_by_reference"] is None else "no", r["status"]]
+             for r in ran]
+    lines.append(markdown_table(["op", "backend", "recipe", "definition", "path", "FP8 activations", "other activations",
+                                 "parameter", "weight copies", "other", "input kept itself", "status"], table))
+    errors = [r for r in rows if r["status"] == "error"]
+    if errors:
+        lines += ["", "errors:"] + [f"  {r['op']} {r['backend']} {r['recipe']} {r['case']}: {r['reason']}" for r in errors]
+    skipped = [(r["backend"], r["reason"]) for r in rows if r["status"] == "skipped"]
+    if skipped:
+        lines += ["", f"skipped ({len(skipped)} audits):", *skip_lines(skipped)]
+    copies = sorted({f"{r['backend']} {r['recipe']} {r['op']} {r['case']}" for r in ran if r["kept"] and r["kept"]["weight_copy"]})
+    lines += ["", f"weight copies kept for backward: {len(copies)} of {len(ran)} audited cases"
+              + (f" ({'; '.join(copies)})" if copies else "")]
+
+    lines += ["", (f"Memory per rank, GiB: {ASSUMPTIONS}. FSDP degree {settings['fsdp_ranks']}, sequence "
+                   f"{settings['seq_len']}, local batch {settings['local_batch']}; each backend and recipe with "
+                   f"its weights all-gathered in bf16, and in FP8 (enable_fsdp_float8_all_gather) where exact; a "
+                   f"column without an audited grouped GEMM has no MoE rows.")]
+    lines.append(markdown_table(
+        ["model", "column", "sharded state", "gathered", "GEMM activations", "weight copies", "total, no AC", "total, full AC"],
+        [[e["model"], e["column"], _gib(e["state_bytes"]), _gib(e["gathered_bytes"]), _gib(e["gemm_activation_bytes"]),
+          _gib(e["weight_copy_bytes"]), _gib(e["total_no_ac_bytes"]), _gib(e["total_full_ac_bytes"])] for e in estimates],
+    ))
+    lines.append("")
+    if gpu is None:
+        lines.append("GPU peak memory of converted blocks under FSDP2: not measured (no GPU here)")
+    else:
+        lines.append("GPU peak memory beyond the sharded model, 4 blocks x+w2(gelu(w1 x)) (dim 4096, hidden 14336, "
+                     "8192 tokens) under FSDP2 (1 rank), measured with torch.cuda.max_memory_allocated:")
+        lines.append(markdown_table(["backend", "recipe", "peak", "x bf16", "status"],
+                                    [[r["backend"], r["recipe"] or "-", _bytes(r["peak_bytes"]),
+                                      f"{r['vs_bf16']:.3f}" if r.get("vs_bf16") else "-", r["status"]] for r in gpu]))
+    counts = Counter(r["status"] for r in rows)
+    lines += ["", f"{counts['ok']} audited, {counts['error']} errors in {seconds:.1f} s"]
+    return "\n".join(lines) + "\n"
+
+
+def command(recipes: list[str], quick: bool, json_path: str | None, out, fsdp_ranks: int, seq_len: int,
+            local_batch: int) -> int:
+    profile = detect_device()
+    prepare_output(json_path)
+    paths = ("eager",) if quick else PATHS
+    started = time.perf_counter()
+    rows = audit_rows(profile, recipes, paths)
+    estimates = estimate_rows(gemm_memory_columns(rows), fsdp_ranks, seq_len, local_batch)
+    gpu = gpu_peak_rows(profile, recipes) if torch.cuda.is_available() else None
+    seconds = time.perf_counter() - started
+    settings = {"recipes": recipes, "quick": quick, "paths": list(paths), "fsdp_ranks": fsdp_ranks,
+                "seq_len": seq_len, "local_batch": local_batch, "assumptions": ASSUMPTIONS,
+                "shapes": {op: s.describe() for op, s in AUDIT_SHAPES.items()}}
+    out.write(render(rows, estimates, gpu, profile, settings, seconds))
+    counts = Counter(r["status"] for r in rows)
+    if json_path:
+        summary = {status: counts[status] for status in ("ok", "error", "skipped")}
+        summary["seconds"] = round(seconds, 2)
+        doc = document("memory", environment(profile), settings, rows, summary)
+        doc["estimates"] = estimates
+        doc["gpu_peak"] = gpu
+        write_document(json_path, doc)
+        out.write(f"JSON written to {json_path}\n")
+    return 1 if counts["error"] else 0

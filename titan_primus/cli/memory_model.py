@@ -1,0 +1,119 @@
+"""Memory per rank of a model under FSDP2, MODELLED from its shapes and from the per-layer audit
+(what one converted GEMM keeps from forward to backward, measured by ``bench --memory``): not a
+measurement. Assumptions (stated in every output):
+
+- FSDP2 over ``ranks`` ranks, no TP/EP/PP; fp32 master weights, fp32 gradients, AdamW: 16 bytes
+  per parameter, sharded.
+- Gathered weights at the peak (the start of backward): the output projection (TorchTitan keeps
+  the root's parameters unsharded after its forward) and the two largest transformer blocks (the
+  one computing, the one prefetched), 2 bytes per element, or 1 (+ 4 per row for rowwise scales)
+  for the FP8 layers' weights where the column all-gathers them in FP8.
+- Kept for backward by the GEMMs, per layer: each GEMM's input (tokens x K; routed experts:
+  tokens x top-k x K) at the audited bytes per input element; GEMMs reading one input tensor
+  (wq/wk/wv, w1/w3) share it when the backend keeps the input itself, and keep one copy each
+  when it keeps its own (an FP8 cast); plus the audited weight-copy bytes per weight element.
+  Without activation checkpointing every layer's; with full checkpointing one block's, plus each
+  block's input (tokens x dim, bf16).
+- Not included: attention, norm and elementwise activations, and gradients in flight: the same
+  in every column.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .model_shapes import ARCHITECTURES, Architecture, Block
+
+__all__ = ["GemmMemory", "BF16", "ASSUMPTIONS", "estimate", "estimate_rows"]
+
+ASSUMPTIONS = (
+    "MODEL, not a measurement: FSDP2 only (no TP/EP/PP), fp32 weights + grads + AdamW sharded (16 B/param), "
+    "gathered at the peak: output projection + 2 largest blocks; kept for backward: the GEMMs' inputs and weight "
+    "copies at the audited bytes per element; attention, norm and elementwise activations not included (the same "
+    "in every column)"
+)
+
+
+@dataclass(frozen=True)
+class GemmMemory:
+    """What one converted GEMM keeps, per element, from the per-layer audit."""
+
+    input_bytes: float
+    """Bytes kept per element of the GEMM's input, beyond the input itself when that is kept."""
+    input_by_reference: bool
+    """The input tensor itself is kept (shared with the other GEMMs that read it)."""
+    weight_copy_bytes: float
+    """Bytes of weight copies kept per weight element."""
+    gathered_bytes: float | None = None
+    """Bytes per weight element FSDP2 all-gathers in FP8 (None: gathered in bf16)."""
+    gathered_row_bytes: float = 0.0
+    """Bytes per weight row gathered with it (rowwise scales)."""
+
+
+BF16 = GemmMemory(input_bytes=0.0, input_by_reference=True, weight_copy_bytes=0.0)
+"""F.linear and torch._grouped_mm in bf16: the input itself and the parameter."""
+_BF16_BYTES = 2
+
+
+def _gathered_bytes(arch: Architecture, gemms, memory: dict[bool, GemmMemory]) -> float:
+    total = 0.0
+    for g in gemms:
+        numel = arch.weight_numel(g)
+        m = memory[g.routed] if g.fp8 else BF16
+        if m.gathered_bytes is None:
+            total += _BF16_BYTES * numel
+        else:
+            total += m.gathered_bytes * numel + m.gathered_row_bytes * g.n * (arch.experts if g.routed else 1)
+    return total
+
+
+def _block_kept(arch: Architecture, block: Block, tokens: int, memory: dict[bool, GemmMemory]) -> tuple[float, float]:
+    """(activation bytes, weight-copy bytes) one block's GEMMs keep for backward."""
+    activations = copies = 0.0
+    by_reference: set[str] = set()
+    for g in block.gemms:
+        rows = tokens * (arch.top_k if g.routed else 1)
+        m = memory[g.routed] if g.fp8 else BF16
+        if m.input_by_reference and g.group not in by_reference:
+            by_reference.add(g.group)
+            activations += _BF16_BYTES * rows * g.k
+        activations += m.input_bytes * rows * g.k
+        copies += m.weight_copy_bytes * arch.weight_numel(g)
+    return activations, copies
+
+
+def estimate(arch: Architecture, ranks: int, tokens: int, memory: dict[bool, GemmMemory]) -> dict:
+    """Bytes per rank (see the module's assumptions); ``memory``: the column's GemmMemory for
+    dense GEMMs (False) and routed-expert grouped GEMMs (True); ``tokens``: per rank and step."""
+    state = 16 * arch.params / ranks
+    largest = sorted(arch.blocks, key=arch.block_params, reverse=True)
+    in_flight = [b for b in largest for _ in range(b.count)][:2]
+    gathered = sum(_gathered_bytes(arch, b.gemms, memory) + _BF16_BYTES * b.norm_params for b in in_flight)
+    gathered += _gathered_bytes(arch, [arch.output], memory) + _BF16_BYTES * arch.dim
+    output_activations, output_copies = _block_kept(arch, Block(1, (arch.output,), 0), tokens, memory)
+    per_block = [(b, *_block_kept(arch, b, tokens, memory)) for b in arch.blocks]
+    kept_none = sum(b.count * (a + c) for b, a, c in per_block) + output_activations + output_copies
+    block_inputs = sum(b.count for b in arch.blocks) * tokens * arch.dim * _BF16_BYTES
+    kept_full = block_inputs + max(a + c for _, a, c in per_block) + output_activations + output_copies
+    return {
+        "state_bytes": state,
+        "gathered_bytes": gathered,
+        "gemm_activation_bytes": sum(b.count * a for b, a, _ in per_block) + output_activations,
+        "weight_copy_bytes": sum(b.count * c for b, _, c in per_block) + output_copies,
+        "total_no_ac_bytes": state + gathered + kept_none,
+        "total_full_ac_bytes": state + gathered + kept_full,
+    }
+
+
+def estimate_rows(columns: dict[str, dict[bool, GemmMemory]], ranks: int, seq_len: int, local_batch: int) -> list[dict]:
+    """One row per model and column (``columns``: name -> its GemmMemory for dense and routed
+    GEMMs, or None for routed where the column has none: MoE models are left out for it)."""
+    tokens = seq_len * local_batch
+    rows = []
+    for name, arch in ARCHITECTURES.items():
+        for column, memory in columns.items():
+            if arch.experts and memory.get(True) is None:
+                continue
+            rows.append({"model": name, "column": column, "ranks": ranks, "seq_len": seq_len,
+                         "local_batch": local_batch, **estimate(arch, ranks, tokens, memory)})
+    return rows
