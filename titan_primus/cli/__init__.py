@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="one shape per op, one iteration (for tests)")
     bench.add_argument("--fsdp-ranks", type=_positive, default=8, metavar="N",
                        help="FSDP degree of the modelled all-gather traffic and memory per rank (default 8)")
+    bench.add_argument("--device", choices=known_profiles(), metavar="PROFILE",
+                       help="with --memory: the device profile to audit under (default: detected)")
     bench.add_argument("--memory", action="store_true",
                        help="instead of timing: the bytes each backend's converted layer keeps from forward to "
                             "backward, and modelled memory per rank of Llama3-8B/70B/405B and DeepSeek-V3-671B "
@@ -110,9 +112,12 @@ def main(argv: list[str] | None = None) -> int:
             from . import memory_audit
 
             return memory_audit.command(args.recipe or list(RECIPE_NAMES), args.quick, args.json, sys.stdout,
-                                        args.fsdp_ranks, args.seq_len, args.local_batch)
+                                        args.fsdp_ranks, args.seq_len, args.local_batch, args.device)
         if args.command == "bench":
             from . import bench
+
+            if args.device:
+                raise ValueError("bench --device goes with --memory: the timings run on this machine's device")
 
             return bench.command(args.recipe or list(RECIPE_NAMES), args.quick, args.compile, args.iters,
                                  args.warmup, args.json, sys.stdout, fsdp_ranks=args.fsdp_ranks)

@@ -23,11 +23,11 @@ import torch.nn.functional as F
 
 from .. import registry
 from ..backends.base import OPS
-from ..device import DeviceProfile, detect_device
+from ..device import DeviceProfile
 from ..fsdp_fp8 import fp8_all_gather_plan
 from ..memory import AUDIT_SHAPES, CATEGORIES, audit_layer
 from ..routing import select_backend
-from .doctor import describe_error, environment, why_not
+from .doctor import describe_error, environment, resolve_profile, why_not
 from .memory_model import ASSUMPTIONS, BF16, GemmMemory, estimate_rows
 from .report import document, markdown_table, prepare_output, skip_lines, write_document
 
@@ -265,14 +265,14 @@ def render(rows: list[dict], estimates: list[dict], gpu: list[dict] | None, prof
 
 
 def command(recipes: list[str], quick: bool, json_path: str | None, out, fsdp_ranks: int, seq_len: int,
-            local_batch: int) -> int:
-    profile = detect_device()
+            local_batch: int, device: str | None = None) -> int:
+    profile = resolve_profile(device)
     prepare_output(json_path)
     paths = ("eager",) if quick else PATHS
     started = time.perf_counter()
     rows = audit_rows(profile, recipes, paths)
     estimates = estimate_rows(gemm_memory_columns(rows), fsdp_ranks, seq_len, local_batch)
-    gpu = gpu_peak_rows(profile, recipes) if torch.cuda.is_available() else None
+    gpu = gpu_peak_rows(profile, recipes) if torch.cuda.is_available() and profile.detected else None
     seconds = time.perf_counter() - started
     settings = {"recipes": recipes, "quick": quick, "paths": list(paths), "fsdp_ranks": fsdp_ranks,
                 "seq_len": seq_len, "local_batch": local_batch, "assumptions": ASSUMPTIONS,
