@@ -25,6 +25,7 @@ from titan_helpers import build, model_config
 from titan_primus import sentinel
 from titan_primus.torchtitan import Float8Converter
 
+
 def step(model, optimizer, tokens) -> float:
     """CPU seconds of one step: forward, backward, optimizer step."""
     started = time.process_time()
@@ -57,13 +58,20 @@ def measure(name: str, seq: int, batch: int, warmup: int) -> None:
     assert len(checks) == len(active.layers) and not any(r.breaches for r in active.reports)
     stats = {k: (statistics.median(v), min(v)) for k, v in times.items()}
     off = stats["off"]
-    print(f"{name}: seq {seq} batch {batch}, {len(checks)} converted layers, {len(checks)} steps each; step CPU s "
-          f"(median / min): off {off[0]:.3f} / {off[1]:.3f}; " + "; ".join(
-              f"{k} {m:.3f} / {n:.3f} ({100 * (m / off[0] - 1):+.1f}% / {100 * (n / off[1] - 1):+.1f}%)"
-              for k, (m, n) in stats.items() if k != "off"))
+    print(
+        f"{name}: seq {seq} batch {batch}, {len(checks)} converted layers, {len(checks)} steps each; step CPU s "
+        f"(median / min): off {off[0]:.3f} / {off[1]:.3f}; "
+        + "; ".join(
+            f"{k} {m:.3f} / {n:.3f} ({100 * (m / off[0] - 1):+.1f}% / {100 * (n / off[1] - 1):+.1f}%)"
+            for k, (m, n) in stats.items()
+            if k != "off"
+        )
+    )
     ms = [m for _, m in checks]
-    print(f"  check_ms per layer: median {statistics.median(ms):.1f}, min {min(ms):.1f}, max {max(ms):.1f} "
-          f"({max(checks, key=lambda c: c[1])[0]})")
+    print(
+        f"  check_ms per layer: median {statistics.median(ms):.1f}, min {min(ms):.1f}, max {max(ms):.1f} "
+        f"({max(checks, key=lambda c: c[1])[0]})"
+    )
 
 
 def main() -> None:

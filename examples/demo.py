@@ -40,15 +40,33 @@ def train(module: str, config: str, steps: int, dump: Path, show_routing: bool) 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
     cmd += [str(launcher)] if launcher else ["-m", "torchtitan.train"]
     cmd += [
-        "--module", module, "--config", config,
-        "--hf_assets_path", str(EXAMPLES / "assets" / "tokenizer"),
-        "--dataloader.dataset_path", str(EXAMPLES / "assets" / "corpus"),
-        "--training.steps", str(steps), "--training.seq_len", "256", "--training.local_batch_size", "2",
-        "--checkpoint.no-enable", "--validator.no-enable", "--dump_folder", str(dump),
-        "--metrics.log_freq", "1", "--debug.seed", "42",
+        "--module",
+        module,
+        "--config",
+        config,
+        "--hf_assets_path",
+        str(EXAMPLES / "assets" / "tokenizer"),
+        "--dataloader.dataset_path",
+        str(EXAMPLES / "assets" / "corpus"),
+        "--training.steps",
+        str(steps),
+        "--training.seq_len",
+        "256",
+        "--training.local_batch_size",
+        "2",
+        "--checkpoint.no-enable",
+        "--validator.no-enable",
+        "--dump_folder",
+        str(dump),
+        "--metrics.log_freq",
+        "1",
+        "--debug.seed",
+        "42",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, cwd=EXAMPLES.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        cmd, cwd=EXAMPLES.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     losses: dict[int, float] = {}
     log: list[str] = []
     in_report = False
@@ -89,8 +107,10 @@ def main() -> None:
     for model, with_fp8, without in summary:
         last = max(with_fp8)
         worst = max(abs(with_fp8[s] - without[s]) / without[s] for s in without)
-        print(f"{model:12s} step 1 {with_fp8[1]:.3f} -> step {last} {with_fp8[last]:.3f}   "
-              f"(without: {without[1]:.3f} -> {without[last]:.3f}; largest step-wise gap {100 * worst:.2f}%)")
+        print(
+            f"{model:12s} step 1 {with_fp8[1]:.3f} -> step {last} {with_fp8[last]:.3f}   "
+            f"(without: {without[1]:.3f} -> {without[last]:.3f}; largest step-wise gap {100 * worst:.2f}%)"
+        )
 
 
 if __name__ == "__main__":

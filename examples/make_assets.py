@@ -94,12 +94,18 @@ def sentence(r: random.Random) -> str:
     templates = [
         lambda: f"{r.choice(TIMES)}, {n} {r.choice(VERBS_PAST)} {_a(adj)} {noun} near {place}.",
         lambda: f"{n} {r.choice(ADVS)} {r.choice(VERBS_PAST)} the {noun} and gave it to {m}.",
-        lambda: f"The {adj} {noun} was {r.choice(['next to', 'behind', 'under', 'beside', 'above'])} the {adj2} {noun2}.",
-        lambda: f"\"Can you {r.choice(VERBS_BASE)} the {noun}?\" asked {n}.",
-        lambda: f"\"I will {r.choice(VERBS_BASE)} it {r.choice(['tomorrow', 'today', 'soon', 'after lunch', 'tonight'])},\" said {m}.",
+        lambda: (
+            f"The {adj} {noun} was {r.choice(['next to', 'behind', 'under', 'beside', 'above'])} the {adj2} {noun2}."
+        ),
+        lambda: f'"Can you {r.choice(VERBS_BASE)} the {noun}?" asked {n}.',
+        lambda: (
+            f'"I will {r.choice(VERBS_BASE)} it {r.choice(["tomorrow", "today", "soon", "after lunch", "tonight"])}," said {m}.'
+        ),
         lambda: f"{r.choice(CONNECT)}, {n} and {m} walked to {place} with {r.randint(2, 19)} {noun}s.",
         lambda: f"Nobody knew why the {noun} at {place} looked so {adj}.",
-        lambda: f"It cost {r.randint(2, 90)} coins, which {n} thought was {r.choice(['fair', 'too much', 'a bargain', 'strange'])}.",
+        lambda: (
+            f"It cost {r.randint(2, 90)} coins, which {n} thought was {r.choice(['fair', 'too much', 'a bargain', 'strange'])}."
+        ),
         lambda: f"{n} {r.choice(ADVS)} explained that {r.choice(TOPICS)} requires {adj} {noun}s and {adj2} {noun2}s.",
         lambda: f"{n} wrote a note about {r.choice(TOPICS)} and left it on the {adj} {noun}.",
         lambda: f"There were {r.randint(3, 40)} {adj} {noun}s in {place}, and {n} counted every one.",
@@ -146,8 +152,12 @@ def make_tokenizer(docs: list[str]) -> None:
     tok.save(str(out / "tokenizer.json"), pretty=True)
     added = {
         str(tok.token_to_id(t)): {
-            "content": t, "lstrip": False, "normalized": False,
-            "rstrip": False, "single_word": False, "special": True,
+            "content": t,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
         }
         for t in (BOS, EOS, PAD)
     }

@@ -26,4 +26,3 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=f"needs an MI300-class GPU; this is {device.arch}"))
         if item.get_closest_marker("cuda") and not (device.kind == "cuda" and device.fp8_hardware):
             item.add_marker(pytest.mark.skip(reason=f"needs an NVIDIA SM89+ GPU; this is {device.arch}"))
-

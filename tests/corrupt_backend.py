@@ -35,7 +35,7 @@ class _ReversedGradRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return torch.cat([grad[: ctx.rows].flip(-1), grad[ctx.rows:]]), None
+        return torch.cat([grad[: ctx.rows].flip(-1), grad[ctx.rows :]]), None
 
 
 class CorruptedBackend(EmulatedBackend):

@@ -29,7 +29,9 @@ from titan_primus.torchtitan import Float8Converter
 
 import titan_primus as tp
 
-logging.basicConfig(stream=sys.stdout, level=logging.WARNING, format="%(message)s")  # titan-primus's warnings, for the test
+logging.basicConfig(
+    stream=sys.stdout, level=logging.WARNING, format="%(message)s"
+)  # titan-primus's warnings, for the test
 dist.init_process_group("gloo")
 model_name, recipe, device, backend, steps = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
 options = dict(arg.partition("=")[::2] for arg in sys.argv[6:])
@@ -73,7 +75,8 @@ Fp8AllGatherWeight.fsdp_pre_all_gather = _counting_pre_all_gather
 # The converter decides which weights FSDP2 gathers in FP8 (not a tied one), as in training.
 configs = {
     on: Float8Converter.Config(device=device, recipe=recipe, backend=backend, enable_fsdp_float8_all_gather=on)
-    .build().convert(model_config(model_name))
+    .build()
+    .convert(model_config(model_name))
     for on in (False, True)
 }
 mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -116,10 +119,15 @@ for fp8_all_gather in (False, True):
         bytes_per_step.append(dict(gathered))
     state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
     runs[fp8_all_gather] = losses, grads, bytes_per_step, state
-    fp8_gathered = {kind: sum(isinstance(getattr(p, "_local_tensor", p), Fp8AllGatherWeight)
-                              for m in fp8_modules(model) if m.covers_experts == (kind == "experts")
-                              for p in m.parameters())
-                    for kind in ("linears", "experts")}
+    fp8_gathered = {
+        kind: sum(
+            isinstance(getattr(p, "_local_tensor", p), Fp8AllGatherWeight)
+            for m in fp8_modules(model)
+            if m.covers_experts == (kind == "experts")
+            for p in m.parameters()
+        )
+        for kind in ("linears", "experts")
+    }
     if getattr(model.config, "enable_weight_tying", False):
         tied = model.tok_embeddings.weight is model.lm_head.weight
         print(f"rank {dist.get_rank()} weights tied after {steps} steps (FP8 all-gather {fp8_all_gather}): {tied}")
@@ -138,7 +146,9 @@ if dist.get_rank() == 0:
     print(f"amax all-reduces per step (FP8 all-gather): {[b['amax_all_reduces'] for b in b1]}")
     print(f"bitwise equal: loss {loss_equal} grads {grads_equal} weights {weights_equal}")
     print(f"FP8-gathered weights: linears {fp8_gathered['linears']} expert weights {fp8_gathered['experts']}")
-    print(f"all-gathered bytes per step: bf16 {off} fp8 {on} ratio {on / off:.4f}; "
-          f"FP8 weights: bf16 {bf16_payload} fp8 {fp8_payload} ratio {fp8_payload / bf16_payload:.4f}")
+    print(
+        f"all-gathered bytes per step: bf16 {off} fp8 {on} ratio {on / off:.4f}; "
+        f"FP8 weights: bf16 {bf16_payload} fp8 {fp8_payload} ratio {fp8_payload / bf16_payload:.4f}"
+    )
 dist.barrier()
 exit_without_teardown(0)  # see cpu_world: gloo processes can abort in interpreter teardown

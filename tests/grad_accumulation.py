@@ -58,7 +58,11 @@ if os.environ.get("TITAN_PRIMUS_TURBO_BUILD"):  # Primus-Turbo's own code (tests
     tp.registry.refresh()
     BACKENDS = (("primus_turbo", os.environ.get("TITAN_PRIMUS_TURBO_ARCH", "gfx942")),)
 for backend, device in BACKENDS:
-    config = Float8Converter.Config(device=device, recipe="tensorwise", backend=backend).build().convert(model_config("llama3"))
+    config = (
+        Float8Converter.Config(device=device, recipe="tensorwise", backend=backend)
+        .build()
+        .convert(model_config("llama3"))
+    )
     off, _ = gradients(config, False, microbatches, 0.5)
     on, gathered = gradients(config, True, microbatches, 0.5)
     big, _ = gradients(config, False, [torch.cat(microbatches)], 1.0)
@@ -68,7 +72,9 @@ for backend, device in BACKENDS:
     dropped = min(sqnr(b, f) for f, b in zip(first, big))
     baseline = min(sqnr(h, b) for h, b in zip(high_precision, big))
     if dist.get_rank() == 0:
-        print(f"{backend}: FP8-gathered weights {gathered}, on == off bitwise: {equal}, "
-              f"vs big batch {vs_big:.1f} dB, dropped microbatch {dropped:.1f} dB, big batch vs bf16 {baseline:.1f} dB")
+        print(
+            f"{backend}: FP8-gathered weights {gathered}, on == off bitwise: {equal}, "
+            f"vs big batch {vs_big:.1f} dB, dropped microbatch {dropped:.1f} dB, big batch vs bf16 {baseline:.1f} dB"
+        )
 dist.barrier()
 exit_without_teardown(0)  # see cpu_world: gloo processes can abort in interpreter teardown

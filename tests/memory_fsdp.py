@@ -37,11 +37,17 @@ if backend == "primus_turbo":
     assert why_not is None, why_not
     tp.registry.refresh()
 
-converter = Float8Converter.Config(device=device, recipe=recipe, backend=backend,
-                                   enable_fsdp_float8_all_gather="fp8_all_gather" in options).build()
+converter = Float8Converter.Config(
+    device=device, recipe=recipe, backend=backend, enable_fsdp_float8_all_gather="fp8_all_gather" in options
+).build()
 model = build(converter.convert(model_config(model_name)), seed=0)
-fp8_weights = [tuple(p.shape) for m in model.modules() if hasattr(m, "fp8_weight_names")
-               for name in m.fp8_weight_names for p in [getattr(m, name)]]
+fp8_weights = [
+    tuple(p.shape)
+    for m in model.modules()
+    if hasattr(m, "fp8_weight_names")
+    for name in m.fp8_weight_names
+    for p in [getattr(m, name)]
+]
 mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 for block in model.layers.values():
     fully_shard(block, mp_policy=mp, reshard_after_forward=True)
@@ -55,9 +61,12 @@ loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:,
 # unsharded until its backward.
 kept = kept_for_backward(saved, fp8_weights, parameters=[*model.parameters(), *model.buffers()])
 resharded = all(type(p).__name__ == "DTensor" for block in model.layers.values() for p in block.parameters())
-print(f"rank {dist.get_rank()} kept after the forward, per rank: weight copies {kept['weight_copy']} B, "
-      f"FP8 activations {kept['activation_fp8']} B, other activations {kept['activation_hp']} B, "
-      f"parameters and buffers {kept['parameter']} B; weights resharded: {resharded}", flush=True)
+print(
+    f"rank {dist.get_rank()} kept after the forward, per rank: weight copies {kept['weight_copy']} B, "
+    f"FP8 activations {kept['activation_fp8']} B, other activations {kept['activation_hp']} B, "
+    f"parameters and buffers {kept['parameter']} B; weights resharded: {resharded}",
+    flush=True,
+)
 del saved
 loss.backward()
 dist.barrier()

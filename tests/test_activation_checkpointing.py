@@ -14,6 +14,7 @@ import titan_primus as tp
 from titan_primus.checkpointing import fp8_gemm_save_ops
 from titan_primus.torchtitan import Float8Converter, Fp8SelectiveAC
 
+
 def _compile_blocks(model) -> None:
     from torchtitan.config import CompileConfig
     from torchtitan.distributed.compile import apply_compile

@@ -43,7 +43,10 @@ def test_linear_errors(overrides, message):
         ({"B_t": torch.randn(32, 16)}, "B_t must be 3-D"),
         ({"offs": make_offsets([4, 6]).long()}, "offs must be int32"),
         ({"offs": torch.tensor([6, 4], dtype=torch.int32)}, "non-decreasing"),
-        ({"offs": torch.tensor([4, 11], dtype=torch.int32)}, r"offs\[-1\] \(11\) exceeds the number of rows of A \(10\)"),
+        (
+            {"offs": torch.tensor([4, 11], dtype=torch.int32)},
+            r"offs\[-1\] \(11\) exceeds the number of rows of A \(10\)",
+        ),
         ({"offs": make_offsets([4, 3, 3])}, r"one entry per expert: shape \(2,\)"),
         ({"A": torch.randn(10, 24)}, r"A's K \(24\) must equal B_t's K \(32\)"),
         ({"A": torch.randn(10, 32).to(torch.int8)}, "A must be float32, bfloat16 or float16"),

@@ -100,10 +100,10 @@ def _primus_blockwise_reference(x, block, fp8_dtype):
     scale_inv = torch.empty(math.ceil(rows / block[0]), math.ceil(cols / block[1]))
     for i in range(scale_inv.shape[0]):
         for j in range(scale_inv.shape[1]):
-            tile = x[i * block[0]:(i + 1) * block[0], j * block[1]:(j + 1) * block[1]].float()
+            tile = x[i * block[0] : (i + 1) * block[0], j * block[1] : (j + 1) * block[1]].float()
             amax = torch.maximum(tile.abs().max(), torch.tensor(1e-4, dtype=torch.float32))
             scale = fp8_max / amax
-            data[i * block[0]:(i + 1) * block[0], j * block[1]:(j + 1) * block[1]] = (
+            data[i * block[0] : (i + 1) * block[0], j * block[1] : (j + 1) * block[1]] = (
                 (tile * scale).clamp(-fp8_max, fp8_max).to(fp8_dtype)
             )
             scale_inv[i, j] = 1.0 / scale
@@ -138,11 +138,11 @@ def test_mx_even_rule_matches_primus_turbos_tile_scale_on_the_host():
         data, scale_inv = _quantize(x, block, rule)
         for i in range(scale_inv.shape[0]):
             for j in range(scale_inv.shape[1]):
-                tile = x[i * block[0]:(i + 1) * block[0], j * 32:(j + 1) * 32]
+                tile = x[i * block[0] : (i + 1) * block[0], j * 32 : (j + 1) * 32]
                 e = _even_exponent(tile.abs().max().item())
                 assert scale_inv[i, j].item() == 2.0**e
                 expected = (tile * 2.0**-e).clamp(-448, 448).to(E4M3)
-                got = data[i * block[0]:(i + 1) * block[0], j * 32:(j + 1) * 32]
+                got = data[i * block[0] : (i + 1) * block[0], j * 32 : (j + 1) * 32]
                 assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
 
 
@@ -192,10 +192,15 @@ def test_linear_sqnr_vs_fp32(name, definition, device, mkn, bars, sum_backward):
     assert got[0].dtype == torch.bfloat16 and got[1].dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("name, definition, device", [
-    ("mxfp8", "torchao", "cpu"), ("mxfp8", "primus_turbo", "gfx950"), ("blockwise", "primus_turbo", "gfx942"),
-    ("blockwise", "torchao", "sm90"),
-])
+@pytest.mark.parametrize(
+    "name, definition, device",
+    [
+        ("mxfp8", "torchao", "cpu"),
+        ("mxfp8", "primus_turbo", "gfx950"),
+        ("blockwise", "primus_turbo", "gfx942"),
+        ("blockwise", "torchao", "sm90"),
+    ],
+)
 def test_grouped_sqnr_empty_groups_unaligned_groups_and_trailing_rows(name, definition, device):
     """Primus-Turbo's grouped gate (tests/pytorch/ops/test_grouped_gemm_fp8.py line 163: > 25 dB
     for E4M3) on unbalanced groups with an empty one, K not a multiple of the 128 block (160),
@@ -218,7 +223,9 @@ def test_grouped_sqnr_empty_groups_unaligned_groups_and_trailing_rows(name, defi
     assert all(torch.isfinite(t).all() for t in got)
 
 
-@pytest.mark.parametrize("name, definition, device", [("mxfp8", "primus_turbo", "gfx950"), ("blockwise", "torchao", "sm90")])
+@pytest.mark.parametrize(
+    "name, definition, device", [("mxfp8", "primus_turbo", "gfx950"), ("blockwise", "torchao", "sm90")]
+)
 def test_expert_parallel_ranks_compute_the_same_numbers(name, definition, device):
     """Every block scale covers one expert's data (per-expert weight blocks, per-token tiles,
     per-group token blocks), so a rank holding experts 2-3 and their tokens computes what one
@@ -244,13 +251,21 @@ def test_parallelism_rules():
     """FSDP and expert parallelism keep every block whole: allowed. Tensor parallelism: refused."""
     from types import SimpleNamespace
 
-    for name, definition, device in (("blockwise", "torchao", "sm90"), ("mxfp8", "primus_turbo", "gfx950"),
-                                     ("blockwise", "primus_turbo", "gfx942")):
+    for name, definition, device in (
+        ("blockwise", "torchao", "sm90"),
+        ("mxfp8", "primus_turbo", "gfx950"),
+        ("blockwise", "primus_turbo", "gfx942"),
+    ):
         recipe = _recipe(name, definition, device)
         check_parallelism("moe.experts", SimpleNamespace(tp=1, ep=4), (EmulatedBackend(), recipe), experts=True)
         with pytest.raises(ValueError, match="block-scaled recipe"):
-            check_parallelism("attention.wq", SimpleNamespace(tp=2, ep=1), (EmulatedBackend(), recipe),
-                              experts=False, passes_shards=True)
+            check_parallelism(
+                "attention.wq",
+                SimpleNamespace(tp=2, ep=1),
+                (EmulatedBackend(), recipe),
+                experts=False,
+                passes_shards=True,
+            )
 
 
 # --- the TorchAO backend's own MX path on a CPU ---------------------------------------------
@@ -288,8 +303,13 @@ def test_torchao_emulated_mx_grouped_mm_agrees_with_the_emulation():
     recipe = _recipe("mxfp8", "torchao")
     ours = run_grouped(lambda A, B_t, offs: EmulatedBackend().grouped_mm(A, B_t, offs, recipe), A, W, offs, grad)
     theirs = run_grouped(
-        lambda A, B_t, offs: _to_mxfp8_then_scaled_grouped_mm(A, B_t, offs, kernel_preference=KernelPreference.EMULATED),
-        A, W, offs, grad,
+        lambda A, B_t, offs: _to_mxfp8_then_scaled_grouped_mm(
+            A, B_t, offs, kernel_preference=KernelPreference.EMULATED
+        ),
+        A,
+        W,
+        offs,
+        grad,
     )
     # TorchAO's emulation multiplies in bfloat16 with bfloat16 results: bf16 rounding apart.
     assert all(db > 40 for db in sqnrs(ours, theirs)), sqnrs(ours, theirs)
@@ -298,7 +318,9 @@ def test_torchao_emulated_mx_grouped_mm_agrees_with_the_emulation():
 # --- compile -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name, definition, device", [("mxfp8", "primus_turbo", "gfx950"), ("blockwise", "torchao", "sm90")])
+@pytest.mark.parametrize(
+    "name, definition, device", [("mxfp8", "primus_turbo", "gfx950"), ("blockwise", "torchao", "sm90")]
+)
 def test_block_recipes_compile_fullgraph_and_match_eager(name, definition, device):
     import torch._inductor.config
 
@@ -308,11 +330,18 @@ def test_block_recipes_compile_fullgraph_and_match_eager(name, definition, devic
     backend = EmulatedBackend()
 
     def step(x, w, A, W, offs):
-        return backend.linear(x, w, None, recipe).sum() + backend.grouped_mm(A, W.transpose(-2, -1), offs, recipe).float().sum()
+        return (
+            backend.linear(x, w, None, recipe).sum()
+            + backend.grouped_mm(A, W.transpose(-2, -1), offs, recipe).float().sum()
+        )
 
     g = torch.Generator().manual_seed(5)
-    inputs = [torch.randn(64, 128, generator=g), torch.randn(96, 128, generator=g),
-              torch.randn(70, 128, generator=g).bfloat16(), torch.randn(3, 64, 128, generator=g).bfloat16()]
+    inputs = [
+        torch.randn(64, 128, generator=g),
+        torch.randn(96, 128, generator=g),
+        torch.randn(70, 128, generator=g).bfloat16(),
+        torch.randn(3, 64, 128, generator=g).bfloat16(),
+    ]
     offs = make_offsets([20, 0, 45])
 
     def grads(fn):

@@ -26,6 +26,7 @@ def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
 
 def strict_json(path) -> dict:
     """The file parses as strict JSON: no NaN or Infinity literals."""
+
     def refuse(literal):
         raise AssertionError(f"{path} contains the non-JSON literal {literal}")
 
@@ -88,7 +89,9 @@ def results(tmp_path_factory):
 
 
 def test_console_script_lists_the_subcommands():
-    done = subprocess.run([sys.executable, "-m", "titan_primus.cli", "--help"], capture_output=True, text=True, check=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "titan_primus.cli", "--help"], capture_output=True, text=True, check=True
+    )
     for command in ("doctor", "parity", "bench", "report"):
         assert command in done.stdout
 
@@ -160,15 +163,23 @@ def test_parity_quick_passes_on_cpu_and_writes_the_schema(results):
 
 def test_parity_on_the_gfx942_profile_compares_differently_defined_recipes_with_fp32_only(results):
     rows = strict_json(results["parity_gfx942"])["results"]
-    rowwise = [r for r in rows if r["op"] == "linear" and r["recipe"] == "rowwise" and r["case"] == "m255"
-               and r["status"] == "pass"]
+    rowwise = [
+        r
+        for r in rows
+        if r["op"] == "linear" and r["recipe"] == "rowwise" and r["case"] == "m255" and r["status"] == "pass"
+    ]
     assert {(r["backend"], r["definition"]) for r in rowwise} == {
-        ("emulated", "primus_turbo"), ("emulated", "torchao"), ("torchao", "torchao")}
+        ("emulated", "primus_turbo"),
+        ("emulated", "torchao"),
+        ("torchao", "torchao"),
+    }
     torchao = next(r for r in rowwise if r["backend"] == "torchao")
     assert "emulated (primus_turbo)" in torchao["differs_from"]
     assert {c["against"] for c in torchao["checks"]} == {"fp32", "emulated"}
     # TorchAO's grouped kernels cannot run on this CPU under the named profile: skipped, with the error.
-    grouped = next(r for r in rows if r["backend"] == "torchao" and r["op"] == "grouped_mm" and r["recipe"] == "rowwise")
+    grouped = next(
+        r for r in rows if r["backend"] == "torchao" and r["op"] == "grouped_mm" and r["recipe"] == "rowwise"
+    )
     assert grouped["status"] == "skipped" and "named profile gfx942" in grouped["reason"]
 
 
@@ -186,8 +197,9 @@ def test_parity_fails_when_a_backend_is_wrong_or_crashes(capsys, plugin_backend,
         assert all("kernel launch failed" in r["reason"] for r in rows)
 
 
-@pytest.mark.parametrize("required, expected", [("primus_turbo", "unavailable on cpu"),
-                                                ("no_such_backend", "not a registered backend")])
+@pytest.mark.parametrize(
+    "required, expected", [("primus_turbo", "unavailable on cpu"), ("no_such_backend", "not a registered backend")]
+)
 def test_parity_fails_when_a_required_backend_does_not_run(capsys, required, expected):
     code, out, _ = run_cli(capsys, "parity", "--quick", "--require", required)
     assert code == 1
@@ -200,7 +212,12 @@ def test_bench_quick_on_cpu_says_what_cpu_figures_mean(results):
     assert doc["kind"] == "bench" and doc["schema_version"] == SCHEMA_VERSION
     measured = [r for r in doc["results"] if r["status"] == "ok"]
     assert {(r["op"], r["backend"]) for r in measured} >= {
-        ("linear", "bf16"), ("linear", "emulated"), ("linear", "torchao"), ("grouped_mm", "bf16"), ("grouped_mm", "emulated")}
+        ("linear", "bf16"),
+        ("linear", "emulated"),
+        ("linear", "torchao"),
+        ("grouped_mm", "bf16"),
+        ("grouped_mm", "emulated"),
+    }
     for row in measured:  # shapes of the figures, never their values: timings are not asserted
         assert row["ms"] > 0 and row["tflops"] > 0 and row["fraction_of_peak"] is None
         assert (row["speedup_vs_bf16"] is None) == (row["backend"] == "bf16")
@@ -228,10 +245,16 @@ def test_report_refuses_bad_files_in_one_line(capsys, tmp_path):
     bad_json = tmp_path / "bad.json"
     bad_json.write_text("{not json")
     old = tmp_path / "old.json"
-    old.write_text(json.dumps({"schema_version": 0, "kind": "parity", "environment": {}, "settings": {},
-                               "results": [], "summary": {}}))
-    for path, expected in ((tmp_path / "missing.json", "cannot read"), (bad_json, "not valid JSON"),
-                           (old, "schema_version 0")):
+    old.write_text(
+        json.dumps(
+            {"schema_version": 0, "kind": "parity", "environment": {}, "settings": {}, "results": [], "summary": {}}
+        )
+    )
+    for path, expected in (
+        (tmp_path / "missing.json", "cannot read"),
+        (bad_json, "not valid JSON"),
+        (old, "schema_version 0"),
+    ):
         code, out, err = run_cli(capsys, "report", str(path))
         assert code == 2 and out == ""
         assert err.count("\n") == 1 and err.startswith("titan-primus report: error:") and expected in err

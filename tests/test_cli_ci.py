@@ -100,7 +100,7 @@ def pytest_run(argv: list[str]) -> tuple[str | None, list[str]] | None:
     """(the -m expression or None, the paths collected) of a pytest command; None for other commands."""
     if "pytest" not in argv:
         return None
-    options = argv[argv.index("pytest") + 1:]
+    options = argv[argv.index("pytest") + 1 :]
     expression = options[options.index("-m") + 1] if "-m" in options else None
     paths = [o for i, o in enumerate(options) if not o.startswith("-") and options[i - 1 : i] != ["-m"]]
     return expression, paths or ["tests"]  # pyproject.toml's testpaths
@@ -168,8 +168,11 @@ def test_gpu_scripts_run_every_marked_test_file_and_gate_on_their_backend(job, m
     assert marked
     for path in marked:
         relative = path.relative_to(ROOT).as_posix()
-        assert any(relative == target or relative.startswith(f"{target}/") or fnmatch.fnmatch(relative, target)
-                   for _, targets in runs for target in targets), f"{relative} holds {marker} tests that ci/{job}.sh never runs"
+        assert any(
+            relative == target or relative.startswith(f"{target}/") or fnmatch.fnmatch(relative, target)
+            for _, targets in runs
+            for target in targets
+        ), f"{relative} holds {marker} tests that ci/{job}.sh never runs"
     gates = [argv for argv in argvs if argv[0] == "ci/gate.sh"]
     assert gates and all(argv[1] == job and argv[argv.index("--require") + 1] == backend for argv in gates)
     # Elsewhere the marked tests only skip: the script refuses a machine without its GPU.
@@ -178,10 +181,14 @@ def test_gpu_scripts_run_every_marked_test_file_and_gate_on_their_backend(job, m
 
 @pytest.mark.parametrize("job", ["cpu", "cuda", "mi300x"])
 def test_workflows_keep_the_results_whatever_failed(job):
-    uploads = [s for s in workflow_steps(ROOT / ".github" / "workflows" / f"{job}.yml")
-               if s.get("uses", "").startswith("actions/upload-artifact@")]
-    assert uploads and all(s.get("if") == "always()" and s["with"]["path"].rstrip("/") == f"artifacts/{job}"
-                           for s in uploads)
+    uploads = [
+        s
+        for s in workflow_steps(ROOT / ".github" / "workflows" / f"{job}.yml")
+        if s.get("uses", "").startswith("actions/upload-artifact@")
+    ]
+    assert uploads and all(
+        s.get("if") == "always()" and s["with"]["path"].rstrip("/") == f"artifacts/{job}" for s in uploads
+    )
 
 
 def test_ci_run_is_the_cpu_script_with_lint_first():
@@ -207,20 +214,26 @@ def test_actions_are_pinned_to_commits(path):
     """A tag can be moved to other code; a commit cannot."""
     for step in workflow_steps(path):
         if "uses" in step:
-            assert re.fullmatch(r"[\w.-]+/[\w./-]+@[0-9a-f]{40}", step["uses"]), f"{path.name}: {step['uses']} is not pinned to a commit"
+            assert re.fullmatch(r"[\w.-]+/[\w./-]+@[0-9a-f]{40}", step["uses"]), (
+                f"{path.name}: {step['uses']} is not pinned to a commit"
+            )
 
 
 @pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.name)
 def test_workflows_hold_least_permissions_and_no_credentials(path):
     workflow = yaml.safe_load(path.read_text())
-    assert workflow.get("permissions") == {"contents": "read"}, f"{path.name}: the workflow must grant contents: read only"
+    assert workflow.get("permissions") == {"contents": "read"}, (
+        f"{path.name}: the workflow must grant contents: read only"
+    )
     for name, job in workflow["jobs"].items():
         assert "permissions" not in job, f"{path.name}: job {name} widens the workflow's permissions"
         assert "container" not in job, f"{path.name}: job {name} names an image; the ci/ script starts it, by digest"
     checkouts = [step for step in workflow_steps(path) if step.get("uses", "").startswith("actions/checkout@")]
     assert checkouts
     for step in checkouts:
-        assert step.get("with", {}).get("persist-credentials") is False, f"{path.name}: checkout leaves the token in .git/config"
+        assert step.get("with", {}).get("persist-credentials") is False, (
+            f"{path.name}: checkout leaves the token in .git/config"
+        )
 
 
 @pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.name)
@@ -247,16 +260,25 @@ def test_the_mi300x_job_starts_only_after_its_image_is_checked():
     assert runs and runs[0]["env"] == {"MI300X_IMAGE": variable}
 
 
-@pytest.mark.parametrize("image, ok", [
-    ("", False),
-    ("rocm/primus:v26.5", False),
-    ("rocm/primus:v26.5@sha256:" + "0" * 63, False),
-    ("rocm/primus:v26.5@sha256:" + "0123456789abcdef" * 4, True),
-])
+@pytest.mark.parametrize(
+    "image, ok",
+    [
+        ("", False),
+        ("rocm/primus:v26.5", False),
+        ("rocm/primus:v26.5@sha256:" + "0" * 63, False),
+        ("rocm/primus:v26.5@sha256:" + "0123456789abcdef" * 4, True),
+    ],
+)
 def test_mi300x_script_refuses_an_image_not_named_by_digest(image, ok):
     env = {k: v for k, v in os.environ.items() if k not in ("MI300X_IMAGE", "GITHUB_ACTIONS")}
-    result = subprocess.run(["bash", "ci/mi300x.sh", "--check"], cwd=ROOT, capture_output=True, text=True,
-                            env={**env, "MI300X_IMAGE": image}, timeout=60)
+    result = subprocess.run(
+        ["bash", "ci/mi300x.sh", "--check"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**env, "MI300X_IMAGE": image},
+        timeout=60,
+    )
     assert (result.returncode == 0) == ok, result.stderr
     if not ok:
         assert result.returncode == 2 and "MI300X_IMAGE" in result.stderr and "@sha256:<digest>" in result.stderr
@@ -270,18 +292,38 @@ def run_gate(tmp_path, *options: str, plugin: str = "") -> tuple[subprocess.Comp
     bin_dir.mkdir()
     register = f"from test_cli import Plugin, {plugin}\nregistry.register(Plugin({plugin}))\n" if plugin else ""
     cli = bin_dir / "titan-primus"
-    cli.write_text(f"#!{sys.executable}\nimport sys\nfrom titan_primus import registry\n{register}"
-                   "from titan_primus.cli import main\nsys.exit(main())\n")
+    cli.write_text(
+        f"#!{sys.executable}\nimport sys\nfrom titan_primus import registry\n{register}"
+        "from titan_primus.cli import main\nsys.exit(main())\n"
+    )
     cli.chmod(0o755)
     artifacts = tmp_path / "results"
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "ARTIFACTS": str(artifacts),
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(["bash", "ci/gate.sh", "cpu", "--quick", *options], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=600)
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "ARTIFACTS": str(artifacts),
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
+        "OMP_NUM_THREADS": "1",
+    }
+    result = subprocess.run(
+        ["bash", "ci/gate.sh", "cpu", "--quick", *options],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     return result, artifacts
 
 
-RESULT_FILES = ["doctor-cpu.txt", "doctor-cpu.json", "parity-cpu.json", "bench-cpu.json", "report-cpu.md", "parity-cpu.png"]
+RESULT_FILES = [
+    "doctor-cpu.txt",
+    "doctor-cpu.json",
+    "parity-cpu.json",
+    "bench-cpu.json",
+    "report-cpu.md",
+    "parity-cpu.png",
+]
 
 
 def assert_results_kept(artifacts: Path) -> dict:

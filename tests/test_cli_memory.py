@@ -69,7 +69,9 @@ def test_model_counts_weight_copies_once_per_weight_and_shared_inputs_once():
 
 
 def test_bench_memory_flags_parse():
-    args = cli.build_parser().parse_args(["bench", "--memory", "--seq-len", "4096", "--local-batch", "2", "--fsdp-ranks", "64"])
+    args = cli.build_parser().parse_args(
+        ["bench", "--memory", "--seq-len", "4096", "--local-batch", "2", "--fsdp-ranks", "64"]
+    )
     assert args.memory and (args.seq_len, args.local_batch, args.fsdp_ranks) == (4096, 2, 64)
 
 
@@ -78,7 +80,13 @@ def test_gpu_peak_harness_runs_under_fsdp2_here():
     and backward under FSDP2 with an FP8 linear; the allocator peak exists only on a GPU (None
     here). The GPU figures themselves have not been measured (no GPU here)."""
     decision = tp.select_backend("linear", "tensorwise", "cpu", "emulated")
-    peak = memory_audit.blocks_peak(lambda x, w: decision.backend.linear(x, w, None, decision.recipe),
-                                    torch.device("cpu"), blocks=2, dim=64, hidden=128, tokens=32)
+    peak = memory_audit.blocks_peak(
+        lambda x, w: decision.backend.linear(x, w, None, decision.recipe),
+        torch.device("cpu"),
+        blocks=2,
+        dim=64,
+        hidden=128,
+        tokens=32,
+    )
     assert peak is None
     assert not torch.distributed.is_initialized()

@@ -106,15 +106,18 @@ def _model_step(model, tokens, record: dict | None = None) -> list[torch.Tensor]
     """Logits and every parameter's gradient (one vector); ``record``: filled with each block's
     inputs and the gradient reaching its output."""
     hooks = []
-    for name, block in (model.layers.items() if record is not None else ()):
+    for name, block in model.layers.items() if record is not None else ():
+
         def keep_inputs(block, args, kwargs, name=name):
             record[name] = [args, kwargs, None]
 
         def keep_grad(block, args, kwargs, out, name=name):
             out.register_hook(lambda grad: record[name].__setitem__(2, grad))
 
-        hooks += [block.register_forward_pre_hook(keep_inputs, with_kwargs=True),
-                  block.register_forward_hook(keep_grad, with_kwargs=True)]
+        hooks += [
+            block.register_forward_pre_hook(keep_inputs, with_kwargs=True),
+            block.register_forward_hook(keep_grad, with_kwargs=True),
+        ]
     model.zero_grad(set_to_none=True)
     out = model(tokens)
     out.float().pow(2).mean().backward()
@@ -161,8 +164,10 @@ def test_torchtitan_compile_of_converted_moe_blocks():
     eager = _model_step(eager_model, tokens, record=inputs)
     compiled = sqnrs(eager, _model_step(compiled_model, tokens))
     baseline = [sqnrs(eager, _model_step(model, tokens)) for model in nudged_models]
-    print(f"whole model (logits, gradients): compiled {compiled}, baseline lowest "
-          f"{[min(figures[i] for figures in baseline) for i in range(2)]}")  # docs/measurements.md
+    print(
+        f"whole model (logits, gradients): compiled {compiled}, baseline lowest "
+        f"{[min(figures[i] for figures in baseline) for i in range(2)]}"
+    )  # docs/measurements.md
     for i, what in enumerate(("logits", "gradients")):
         bound = min(figures[i] for figures in baseline) - MARGIN_DB
         assert compiled[i] >= bound, f"whole model, {what}: {compiled[i]:.1f} dB, bound {bound:.1f}"
@@ -170,13 +175,18 @@ def test_torchtitan_compile_of_converted_moe_blocks():
     references = {name: _block_step(block, inputs[name]) for name, block in eager_model.layers.items()}
 
     def block_figures(model, generator=None) -> list[float]:
-        return [db for name, block in model.layers.items()
-                for db in sqnrs(references[name], _block_step(block, inputs[name], generator))]
+        return [
+            db
+            for name, block in model.layers.items()
+            for db in sqnrs(references[name], _block_step(block, inputs[name], generator))
+        ]
 
     compiled = block_figures(compiled_model)
     baseline = [block_figures(model, torch.Generator().manual_seed(seed)) for seed, model in enumerate(nudged_models)]
-    print(f"blocks alone (lowest, median): compiled {min(compiled):.1f} {statistics.median(compiled):.1f}, baseline "
-          f"lowest {min(min(f) for f in baseline):.1f} {min(statistics.median(f) for f in baseline):.1f}")
+    print(
+        f"blocks alone (lowest, median): compiled {min(compiled):.1f} {statistics.median(compiled):.1f}, baseline "
+        f"lowest {min(min(f) for f in baseline):.1f} {min(statistics.median(f) for f in baseline):.1f}"
+    )
     for what, figure in (("lowest", min), ("median", statistics.median)):
         bound = min(figure(figures) for figures in baseline) - MARGIN_DB
         assert figure(compiled) >= bound, f"blocks alone, {what}: {figure(compiled):.1f} dB, bound {bound:.1f}"
@@ -249,7 +259,8 @@ def test_public_ops_compile_where_torchao_was_never_imported(tmp_path):
     import textwrap
 
     script = tmp_path / "first_call_compiled.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import sys
         import torch
         import titan_primus as tp
@@ -261,7 +272,8 @@ def test_public_ops_compile_where_torchao_was_never_imported(tmp_path):
             out = torch.compile(fn, fullgraph=fullgraph)(x, w)
             out.backward(torch.ones_like(out))
         print("compiled", out.dtype)
-    """))
+    """)
+    )
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0 and "compiled torch.float32" in proc.stdout, proc.stderr[-3000:]
 

@@ -39,7 +39,11 @@ def test_converts_every_plain_linear_and_expert_block(model):
         else:
             assert isinstance(cfg, Fp8Linear.Config) and isinstance(cfg, Linear.Config), fqn
             assert cfg.fp8_backend == "emulated"
-            assert (cfg.in_features, cfg.out_features, cfg.bias) == (before[fqn].in_features, before[fqn].out_features, before[fqn].bias)
+            assert (cfg.in_features, cfg.out_features, cfg.bias) == (
+                before[fqn].in_features,
+                before[fqn].out_features,
+                before[fqn].bias,
+            )
             assert cfg.param_init is before[fqn].param_init
     experts = list(config.traverse(GroupedExperts.Config))
     assert len(report.converted("experts")) == len(experts)
@@ -94,7 +98,9 @@ def test_routing_on_profiles_without_primus_turbo():
 def test_torchao_experts_get_the_padding_token_dispatcher():
     config, _ = convert("deepseek_v3", device="sm90")
     dispatchers = [parent.token_dispatcher for _, _, parent, _ in config.traverse(GroupedExperts.Config)]
-    assert dispatchers and all(isinstance(d, TorchAOTokenDispatcher.Config) and d.pad_multiple == 16 for d in dispatchers)
+    assert dispatchers and all(
+        isinstance(d, TorchAOTokenDispatcher.Config) and d.pad_multiple == 16 for d in dispatchers
+    )
 
 
 def test_strict_refuses_a_fallback_and_default_logs_it(caplog):
@@ -128,8 +134,16 @@ def test_config_is_a_torchtitan_config():
 
     assert issubclass(Float8Converter, QuantizationConverter)
     names = {f.name for f in fields(Float8Converter.Config)}
-    assert {"backend", "recipe", "linears", "grouped_experts", "filter_fqns", "auto_filter_small_kn",
-            "strict", "model_compile_enabled"} <= names
+    assert {
+        "backend",
+        "recipe",
+        "linears",
+        "grouped_experts",
+        "filter_fqns",
+        "auto_filter_small_kn",
+        "strict",
+        "model_compile_enabled",
+    } <= names
     assert all(f.kw_only for f in fields(Float8Converter.Config))
 
 
@@ -186,8 +200,9 @@ def test_dcp_checkpoint_round_trips_between_bf16_and_fp8(model, tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), fresh.state_dict().values()))
 
 
-@pytest.mark.parametrize("model, options", [("llama3", {}), ("deepseek_v3", {"linears": False}),
-                                            ("deepseek_v3", {"recipe": "tensorwise"})])
+@pytest.mark.parametrize(
+    "model, options", [("llama3", {}), ("deepseek_v3", {"linears": False}), ("deepseek_v3", {"recipe": "tensorwise"})]
+)
 def test_torchtitan_has_quantization_recognises_converted_configs(model, options):
     """The trainer asks TorchTitan's has_quantization (and then logs no bf16-peak MFU); it must
     say True for a converted model, as for TorchTitan's own float8 converters, also through the

@@ -48,7 +48,13 @@ def test_rocm_arch_read_from_gcn_arch_name_at_run_time(monkeypatch):
             torch.cuda, "get_device_properties", lambda i, n=arch_name: _Props(gcnArchName=n, name="AMD Instinct")
         )
         device = tp.detect_device()
-        assert (device.kind, device.arch, device.mi300_class, device.fnuz, device.detected) == ("rocm", arch, True, fnuz, True)
+        assert (device.kind, device.arch, device.mi300_class, device.fnuz, device.detected) == (
+            "rocm",
+            arch,
+            True,
+            fnuz,
+            True,
+        )
     monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: _Props(major=9, minor=0, name="NVIDIA H100"))
     device_mod._detect_cuda.cache_clear()

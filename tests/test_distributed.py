@@ -20,8 +20,20 @@ def torchrun_script(script: str, *args: str) -> str:
     # The repository root first: its titan_primus, not an installed copy.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE)])}
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(HERE / script), *args],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(HERE / script),
+            *args,
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return proc.stdout
@@ -39,8 +51,16 @@ def test_fsdp2_training_tracks_single_rank(tmp_path):
     slice of the stream, so the batches differ and the gap grows with the steps. Measured on
     llama3: 0.4%, 1.1%, 1.3%, 1.8% at steps 1-4; bound 3%. (That the FP8 math itself is the same
     under FSDP2, tensorwise scales included, is test_fsdp2_equals_single_device, bit for bit.)"""
-    fsdp, log = run_trainer("titan_primus", "llama3_debugmodel_fp8_tensorwise", tmp_path / "fsdp", 4,
-                            "--parallelism.data_parallel_shard_degree", "2", nproc=2, batch=2)
+    fsdp, log = run_trainer(
+        "titan_primus",
+        "llama3_debugmodel_fp8_tensorwise",
+        tmp_path / "fsdp",
+        4,
+        "--parallelism.data_parallel_shard_degree",
+        "2",
+        nproc=2,
+        batch=2,
+    )
     single, _ = run_trainer("titan_primus", "llama3_debugmodel_fp8_tensorwise", tmp_path / "one", 4, batch=4)
     assert "linears: 31 -> emulated (tensorwise" in log
     for step in single:
@@ -76,8 +96,16 @@ def test_tensor_parallel_training_tracks_the_same_layout_in_bf16(tmp_path):
 
 @pytest.mark.trainer
 def test_tensor_parallel_of_fp8_experts_is_refused_before_training(tmp_path):
-    _, log = run_trainer("titan_primus", "deepseek_v3_debugmodel_fp8", tmp_path / "tp", 1,
-                         "--parallelism.tensor_parallel_degree", "2", nproc=2, expect_failure=True)
+    _, log = run_trainer(
+        "titan_primus",
+        "deepseek_v3_debugmodel_fp8",
+        tmp_path / "tp",
+        1,
+        "--parallelism.tensor_parallel_degree",
+        "2",
+        nproc=2,
+        expect_failure=True,
+    )
     assert "tensor parallelism (degree 2) is not supported for FP8 MoE experts yet" in log
     assert "step:  1" not in log
 
@@ -85,10 +113,14 @@ def test_tensor_parallel_of_fp8_experts_is_refused_before_training(tmp_path):
 def test_tensor_parallel_needs_a_backend_with_whole_tensor_scales():
     recipe = tp.make_recipe("rowwise", "torchao", tp.device_profile("sm90"))
     tp2 = SimpleNamespace(tp=2, ep=1)
-    check_parallelism("Fp8Linear", tp2, (tp.registry.get_backend("emulated"), recipe), experts=False, passes_shards=True)
+    check_parallelism(
+        "Fp8Linear", tp2, (tp.registry.get_backend("emulated"), recipe), experts=False, passes_shards=True
+    )
     for backend in ("torchao", "primus_turbo"):
         with pytest.raises(ValueError, match=f"not supported for FP8 the {backend} backend yet"):
-            check_parallelism("Fp8Linear", tp2, (tp.registry.get_backend(backend), recipe), experts=False, passes_shards=True)
+            check_parallelism(
+                "Fp8Linear", tp2, (tp.registry.get_backend(backend), recipe), experts=False, passes_shards=True
+            )
     with pytest.raises(ValueError, match="the emulated backend here"):  # a module that cannot pass shards
         check_parallelism("Fp8Linear", tp2, (tp.registry.get_backend("emulated"), recipe), experts=False)
 
@@ -107,7 +139,9 @@ def test_expert_parallel_allowed_only_where_scales_stay_within_an_expert():
     # Primus-Turbo's grouped wgrad takes column scales over all experts' rows at once.
     with pytest.raises(ValueError, match="scales span all experts"):
         check_parallelism(module, ep, (emulated, tp.make_recipe("rowwise", "primus_turbo", mi300)), experts=True)
-    check_parallelism(module, SimpleNamespace(tp=1, ep=1), (emulated, tp.make_recipe("tensorwise", "torchao", cpu)), experts=True)
+    check_parallelism(
+        module, SimpleNamespace(tp=1, ep=1), (emulated, tp.make_recipe("tensorwise", "torchao", cpu)), experts=True
+    )
 
 
 @pytest.mark.trainer
@@ -118,11 +152,26 @@ def test_checkpoint_from_fsdp2_resumes_single_rank_on_another_backend(tmp_path):
     data-parallel degrees, so that one entry is not loaded.)"""
     dump = tmp_path / "run"
     ckpt = ("--checkpoint.enable", "--checkpoint.interval", "2")
-    first, _ = run_trainer("titan_primus", "llama3_debugmodel_fp8", dump, 2, *ckpt,
-                           "--parallelism.data_parallel_shard_degree", "2", nproc=2)
-    resumed, log = run_trainer("titan_primus", "llama3_debugmodel_fp8", dump, 3, *ckpt,
-                               "--checkpoint.exclude_from_loading", "dataloader",
-                               env={"TITAN_PRIMUS_BACKEND": "torchao"})
+    first, _ = run_trainer(
+        "titan_primus",
+        "llama3_debugmodel_fp8",
+        dump,
+        2,
+        *ckpt,
+        "--parallelism.data_parallel_shard_degree",
+        "2",
+        nproc=2,
+    )
+    resumed, log = run_trainer(
+        "titan_primus",
+        "llama3_debugmodel_fp8",
+        dump,
+        3,
+        *ckpt,
+        "--checkpoint.exclude_from_loading",
+        "dataloader",
+        env={"TITAN_PRIMUS_BACKEND": "torchao"},
+    )
     assert "linears: 31 -> torchao" in log
     assert "step-2" in log and "Training starts at step 3" in log
     assert sorted(resumed) == [3] and resumed[3] < first[1]
@@ -136,8 +185,17 @@ def test_expert_parallel_matches_the_same_ranks_without_it(tmp_path):
     steps 2-3; bound 0.1%. (A single rank sees the data split differently: see the FSDP2 test above.)"""
     common = ("--parallelism.data_parallel_shard_degree", "2")
     # TorchTitan refuses EP's token dispatcher with CUDA graphs on, even on a CPU.
-    ep, log = run_trainer("titan_primus", "deepseek_v3_debugmodel_fp8", tmp_path / "ep", 3, *common,
-                          "--parallelism.expert_parallel_degree", "2", "--training.disable_cuda_graphs", nproc=2)
+    ep, log = run_trainer(
+        "titan_primus",
+        "deepseek_v3_debugmodel_fp8",
+        tmp_path / "ep",
+        3,
+        *common,
+        "--parallelism.expert_parallel_degree",
+        "2",
+        "--training.disable_cuda_graphs",
+        nproc=2,
+    )
     dp, _ = run_trainer("titan_primus", "deepseek_v3_debugmodel_fp8", tmp_path / "dp", 3, *common, nproc=2)
     assert "grouped experts: 5 -> emulated (rowwise (torchao definition" in log
     for step in dp:

@@ -45,8 +45,15 @@ def test_linear_output_and_grad_dtypes_follow_nn_linear(backend, device, recipe)
 
 
 @pytest.mark.parametrize("device", ["cpu", "gfx942"])
-@pytest.mark.parametrize("a_dtype, b_dtype", [(torch.float32, torch.float32), (torch.float16, torch.float32),
-                                              (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "a_dtype, b_dtype",
+    [
+        (torch.float32, torch.float32),
+        (torch.float16, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float32, torch.bfloat16),
+    ],
+)
 def test_grouped_mm_returns_bfloat16_and_grads_in_input_dtypes(device, a_dtype, b_dtype):
     offs = make_offsets([5, 0, 11])
     A, B = leaves(torch.randn(20, 32, dtype=a_dtype), torch.randn(3, 16, 32, dtype=b_dtype) * 0.1)

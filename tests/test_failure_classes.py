@@ -103,15 +103,20 @@ def _routed(counts_per_microbatch, generator, k=256, n=256, trailing=0):
     batches = []
     for counts in counts_per_microbatch:
         rows = sum(counts) + trailing
-        batches.append((torch.randn(rows, k, generator=generator).bfloat16(), make_offsets(counts),
-                        torch.randn(rows, n, generator=generator).bfloat16()))
+        batches.append(
+            (
+                torch.randn(rows, k, generator=generator).bfloat16(),
+                make_offsets(counts),
+                torch.randn(rows, n, generator=generator).bfloat16(),
+            )
+        )
     pieces_A, pieces_g, big_counts = [], [], []
     for expert in range(len(counts_per_microbatch[0])):
         big_counts.append(sum(c[expert] for c in counts_per_microbatch))
         for (A, offs, grad_out), counts in zip(batches, counts_per_microbatch):
             start = sum(counts[:expert])
-            pieces_A.append(A[start:start + counts[expert]])
-            pieces_g.append(grad_out[start:start + counts[expert]])
+            pieces_A.append(A[start : start + counts[expert]])
+            pieces_g.append(grad_out[start : start + counts[expert]])
     big = (torch.cat(pieces_A), make_offsets(big_counts), torch.cat(pieces_g))
     return batches, big
 
@@ -122,7 +127,7 @@ def _in_big_batch_order(tensors, counts_per_microbatch):
     for expert in range(len(counts_per_microbatch[0])):
         for t, counts in zip(tensors, counts_per_microbatch):
             start = sum(counts[:expert])
-            pieces.append(t[start:start + counts[expert]])
+            pieces.append(t[start : start + counts[expert]])
     return torch.cat(pieces)
 
 
@@ -159,8 +164,10 @@ def test_fsdp2_gradient_accumulation_with_fp8_all_gather_on_and_off():
     for backend in ("emulated", "torchao"):
         line = next(row for row in out.splitlines() if row.startswith(f"{backend}:"))
         assert "FP8-gathered weights 31" in line and "on == off bitwise: True" in line, line
-        vs_big, dropped, baseline = (float(line.split(f"{label} ")[1].split(" dB")[0])
-                                     for label in ("vs big batch", "dropped microbatch", "big batch vs bf16"))
+        vs_big, dropped, baseline = (
+            float(line.split(f"{label} ")[1].split(" dB")[0])
+            for label in ("vs big batch", "dropped microbatch", "big batch vs bf16")
+        )
         assert vs_big >= baseline - 6 and dropped < baseline - 10, line
 
 
@@ -177,7 +184,11 @@ def _poison_the_allocator(rows: int, cols: int) -> None:
 @pytest.mark.parametrize("backend, device, version", GROUPED, ids=ids)
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_rows_past_the_routed_tokens_and_idle_experts_get_exact_zeros_after_any_routing(
-    backend, device, version, recipe, monkeypatch,
+    backend,
+    device,
+    version,
+    recipe,
+    monkeypatch,
 ):
     """Output and grad_A rows past offs[-1], and the weight gradient of experts that got no
     token, are exactly zero, also after a step with a different routing; a step's results do
@@ -193,7 +204,9 @@ def test_rows_past_the_routed_tokens_and_idle_experts_get_exact_zeros_after_any_
     _poison_the_allocator(160, 256)
     (out,), (grad_A,), grad_W = _grouped_steps(impl, made, weight, [second])
     end = int(second[1][-1])
-    assert torch.equal(out[end:], torch.zeros_like(out[end:])) and torch.equal(grad_A[end:], torch.zeros_like(grad_A[end:]))
+    assert torch.equal(out[end:], torch.zeros_like(out[end:])) and torch.equal(
+        grad_A[end:], torch.zeros_like(grad_A[end:])
+    )
     assert torch.equal(grad_W[[0, 3]], torch.zeros_like(grad_W[[0, 3]]))
     assert torch.isfinite(out).all() and torch.isfinite(grad_A).all() and torch.isfinite(grad_W).all()
     assert torch.equal(out, fresh[0][0]) and torch.equal(grad_A, fresh[1][0]) and torch.equal(grad_W, fresh[2])
@@ -216,7 +229,10 @@ def test_two_identical_steps_give_identical_results(backend, device, version, re
         batch, _ = _routed([(30, 0, 50, 16)], generator, trailing=4)
         weight = (torch.randn(4, 256, 256, generator=generator) * 0.05).bfloat16()
         runs = [_grouped_steps(impl, made, weight, batch) for _ in range(2)]
-        assert all(torch.equal(a, b) for a, b in zip(runs[0][0] + runs[0][1] + [runs[0][2]], runs[1][0] + runs[1][1] + [runs[1][2]]))
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(runs[0][0] + runs[0][1] + [runs[0][2]], runs[1][0] + runs[1][1] + [runs[1][2]])
+        )
 
 
 def test_two_identical_training_steps_of_a_moe_model_are_identical():

@@ -138,11 +138,13 @@ RESULT = re.compile(
 
 @pytest.mark.parametrize(
     "model, recipe, device, backend, options",
-    [("llama3", "tensorwise", "cpu", "emulated", ()),
-     ("llama3", "tensorwise", "cpu", "torchao", ()),
-     ("deepseek_v3", "tensorwise", "cpu", "emulated", ()),
-     ("deepseek_v3", "rowwise", "gfx942", "emulated", ("experts_shard1",)),
-     ("qwen3", "tensorwise", "cpu", "emulated", ())],
+    [
+        ("llama3", "tensorwise", "cpu", "emulated", ()),
+        ("llama3", "tensorwise", "cpu", "torchao", ()),
+        ("deepseek_v3", "tensorwise", "cpu", "emulated", ()),
+        ("deepseek_v3", "rowwise", "gfx942", "emulated", ("experts_shard1",)),
+        ("qwen3", "tensorwise", "cpu", "emulated", ()),
+    ],
 )
 def test_fp8_all_gather_changes_no_bit_and_halves_weight_traffic(model, recipe, device, backend, options):
     """Debug models, 2 FSDP2 ranks (bf16 params, fp32 reduction), 2-3 AdamW steps, once with
@@ -218,8 +220,9 @@ def _fp8_run(model, dump, steps, all_gather: bool, *extra, backend="", nproc=2, 
     options = OVERRIDE % ("true" if all_gather else "false", f', "backend": "{backend}"' if backend else "")
     overrides = [options] + (["full_activation_checkpointing.full_ac"] if full_ac else [])
     env = {"PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE)])}  # the override above lives in tests/
-    return run_trainer(model, f"{model}_debugmodel", dump, steps, "--override.imports", *overrides, *extra,
-                       nproc=nproc, env=env)
+    return run_trainer(
+        model, f"{model}_debugmodel", dump, steps, "--override.imports", *overrides, *extra, nproc=nproc, env=env
+    )
 
 
 @pytest.mark.trainer
@@ -293,8 +296,12 @@ def test_bench_traffic_model_uses_the_real_model_sizes():
     from titan_primus.cli.fsdp_traffic import MODELS, render_traffic, traffic_rows
 
     sizes = {name: sum(w.numel for w in weights) for name, weights in MODELS.items()}
-    assert sizes == {"Llama3-8B": 8030261248, "Llama3-70B": 70553706496, "Llama3-405B": 405853388800,
-                     "DeepSeek-V3-671B": 671026404352}
+    assert sizes == {
+        "Llama3-8B": 8030261248,
+        "Llama3-70B": 70553706496,
+        "Llama3-405B": 405853388800,
+        "DeepSeek-V3-671B": 671026404352,
+    }
     rows = {r["model"]: r for r in traffic_rows(8)}
     assert 0.50 < rows["Llama3-70B"]["tensorwise_ratio"] < rows["Llama3-8B"]["tensorwise_ratio"] < 0.54
     assert rows["Llama3-8B"]["rowwise_bytes"] > rows["Llama3-8B"]["tensorwise_bytes"]

@@ -61,8 +61,14 @@ REGISTRY = {
 }
 
 # The requirements before this project declared its measured minimums: what replaced the stack.
-REPLACING_REQUIREMENTS = ["torch>=2.14", "torchtitan>=0.2.2,<0.4", "torchao>=0.17", "pluggy>=1.5", "tqdm>=4.60",
-                          "triton; platform_system == 'Linux'"]
+REPLACING_REQUIREMENTS = [
+    "torch>=2.14",
+    "torchtitan>=0.2.2,<0.4",
+    "torchao>=0.17",
+    "pluggy>=1.5",
+    "tqdm>=4.60",
+    "triton; platform_system == 'Linux'",
+]
 
 
 def _normalise(name: str) -> str:
@@ -85,7 +91,9 @@ def _write_wheel(directory: Path, name: str, version: str, requires: list[str], 
     stem = f"{name.replace('-', '_')}-{version}"
     with zipfile.ZipFile(directory / f"{stem}-py3-none-any.whl", "w") as wheel:
         wheel.writestr(f"{stem}.dist-info/METADATA", _metadata(name, version, requires, extras))
-        wheel.writestr(f"{stem}.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        wheel.writestr(
+            f"{stem}.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        )
         wheel.writestr(f"{stem}.dist-info/RECORD", "")
 
 
@@ -114,7 +122,9 @@ def registry(tmp_path_factory) -> Path:
     for name, releases in REGISTRY.items():
         for version, requires in releases:
             _write_wheel(directory, name, version, requires)
-    _write_wheel(directory, PROJECT["name"], PROJECT["version"], PROJECT["dependencies"], PROJECT["optional-dependencies"])
+    _write_wheel(
+        directory, PROJECT["name"], PROJECT["version"], PROJECT["dependencies"], PROJECT["optional-dependencies"]
+    )
     _write_wheel(directory, "former-titan-primus", PROJECT["version"], REPLACING_REQUIREMENTS)
     return directory
 
@@ -127,12 +137,33 @@ def resolve(env: Path, registry: Path, *requirements: str, constraints: list[str
         report, constraint_file = Path(scratch) / "report.json", Path(scratch) / "constraints.txt"
         constraint_file.write_text("".join(f"{c}\n" for c in constraints))
         done = subprocess.run(
-            [sys.executable, "-m", "pip", "--python", str(env / "bin" / "python"), "install", "--dry-run",
-             "--report", str(report), "--no-index", "--find-links", str(registry), "--constraint", str(constraint_file),
-             *requirements],
-            capture_output=True, text=True, env=isolated, timeout=120,
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "--python",
+                str(env / "bin" / "python"),
+                "install",
+                "--dry-run",
+                "--report",
+                str(report),
+                "--no-index",
+                "--find-links",
+                str(registry),
+                "--constraint",
+                str(constraint_file),
+                *requirements,
+            ],
+            capture_output=True,
+            text=True,
+            env=isolated,
+            timeout=120,
         )
-        return (0, json.loads(report.read_text())) if done.returncode == 0 else (done.returncode, done.stdout + done.stderr)
+        return (
+            (0, json.loads(report.read_text()))
+            if done.returncode == 0
+            else (done.returncode, done.stdout + done.stderr)
+        )
 
 
 def planned(report: dict) -> dict[str, str]:
@@ -173,8 +204,9 @@ def test_installing_into_the_amd_image_replaces_nothing(amd_image, registry, ext
 def test_the_torchtitan_0_3_line_is_refused_on_the_image_instead_of_replacing_its_torch(amd_image, registry):
     """TorchTitan 0.3 needs torch 2.14: with the image's torch pinned (as ci/mi300x-image.sh does) pip
     refuses; nothing gets swapped."""
-    code, stderr = resolve(amd_image, registry, f"{PROJECT['name']}[torchtitan]",
-                           constraints=[f"torch=={AMD_IMAGE['torch'][0]}"])
+    code, stderr = resolve(
+        amd_image, registry, f"{PROJECT['name']}[torchtitan]", constraints=[f"torch=={AMD_IMAGE['torch'][0]}"]
+    )
     assert code != 0 and "ResolutionImpossible" in stderr and "torch>=2.14" in stderr, stderr
 
 
@@ -191,5 +223,10 @@ def test_the_oldest_stack_ci_tests_is_the_declared_minimum():
     makefile = (ROOT / "Makefile").read_text()
     pins = dict(re.findall(r"^OLDEST_(\w+)\s*:=\s*(\S+)", makefile, re.M))
     declared = PROJECT["dependencies"] + PROJECT["optional-dependencies"]["torchtitan02"]
-    lower = {_normalise(name): bound for name, bound in (re.match(r"([\w-]+)>=([\d.]+)", r).groups() for r in declared if ">=" in r)}
-    assert {name.lower(): Version(v) for name, v in pins.items()} == {name: Version(lower[name]) for name in ("torch", "torchao", "torchtitan")}
+    lower = {
+        _normalise(name): bound
+        for name, bound in (re.match(r"([\w-]+)>=([\d.]+)", r).groups() for r in declared if ">=" in r)
+    }
+    assert {name.lower(): Version(v) for name, v in pins.items()} == {
+        name: Version(lower[name]) for name in ("torch", "torchao", "torchtitan")
+    }

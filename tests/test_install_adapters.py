@@ -54,7 +54,9 @@ CASES = [(THIS, "torchtitan"), (THIS, "triton"), (OTHER, None)]
 @pytest.fixture(scope="module")
 def messages() -> dict[tuple[str, str | None], str | None]:
     """What importing each adapter raises, with a module made missing."""
-    done = subprocess.run([sys.executable, "-c", _IMPORTS, json.dumps(CASES)], capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", _IMPORTS, json.dumps(CASES)], capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stderr
     return dict(zip(CASES, json.loads(done.stdout.splitlines()[-1])))
 
@@ -69,7 +71,11 @@ def test_a_missing_triton_is_named_as_the_cause_not_the_torchtitan_line(messages
     """TorchTitan imports triton at import; a CPU-only torch wheel brings none."""
     message = messages[THIS, "triton"]
     assert f"importing TorchTitan {TORCHTITAN} failed inside it, in torchtitan/" in message, message
-    assert "ModuleNotFoundError: No module named 'triton'" in message and "Fix:" in message and "triton" in message.split("Fix:")[1]
+    assert (
+        "ModuleNotFoundError: No module named 'triton'" in message
+        and "Fix:" in message
+        and "triton" in message.split("Fix:")[1]
+    )
     assert "does not" not in message
 
 

@@ -64,8 +64,10 @@ FSDP_CASES = [
     ("deepseek_v3", "rowwise", "gfx942", "emulated", ("fp8_all_gather",)),
     ("llama3", "tensorwise", "cpu", "torchao", ("fp8_all_gather",)),
 ]
-KEPT = re.compile(r"kept after the forward, per rank: weight copies (\d+) B, FP8 activations (\d+) B, "
-                  r"other activations (\d+) B, parameters and buffers (\d+) B; weights resharded: (\w+)")
+KEPT = re.compile(
+    r"kept after the forward, per rank: weight copies (\d+) B, FP8 activations (\d+) B, "
+    r"other activations (\d+) B, parameters and buffers (\d+) B; weights resharded: (\w+)"
+)
 
 
 @pytest.mark.multiprocess

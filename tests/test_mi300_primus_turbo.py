@@ -19,8 +19,11 @@ from titan_primus.backends.primus_turbo import load_api
 
 pytestmark = pytest.mark.mi300
 
-GEMM_OPS = ("primus_turbo::gemm_fp8_impl", "primus_turbo::grouped_gemm_fp8_impl",
-            "primus_turbo::grouped_gemm_fp8_variable_k_impl")
+GEMM_OPS = (
+    "primus_turbo::gemm_fp8_impl",
+    "primus_turbo::grouped_gemm_fp8_impl",
+    "primus_turbo::grouped_gemm_fp8_variable_k_impl",
+)
 
 
 @pytest.fixture
@@ -47,6 +50,7 @@ def emulated(decision, op):
         if op == "linear":
             return tp.fp8_linear(*args, recipe=decision.recipe, backend="emulated")
         return tp.fp8_grouped_mm(*args, recipe=decision.recipe, backend="emulated")
+
     return fn
 
 
@@ -123,8 +127,9 @@ def test_tail_rows_of_the_public_op(turbo):
     lens = torch.diff(offs, prepend=offs.new_zeros(1)).to(torch.int64)
     enums = turbo.enums
     config = enums.Float8QuantConfig(format=enums.Format.E4M3, granularity=enums.ScalingGranularity.ROWWISE)
-    out = primus_turbo.ops.grouped_gemm_fp8(A, B_t.transpose(-2, -1), lens, trans_b=True, out_dtype=torch.bfloat16,
-                                            config=config)
+    out = primus_turbo.ops.grouped_gemm_fp8(
+        A, B_t.transpose(-2, -1), lens, trans_b=True, out_dtype=torch.bfloat16, config=config
+    )
     if turbo.at_least("v0.4.0"):
         assert (out[-37:] == 0).all()
 

@@ -62,13 +62,19 @@ def test_off_by_default_the_modules_call_their_backend_directly():
     assert sentinel.active_sentinel() is None
 
 
-@pytest.mark.parametrize("options, message", [
-    ({"sentinel_interval": -1}, "'sentinel_interval' must be a whole number of steps >= 0"),
-    ({"sentinel_interval": "10"}, "'sentinel_interval' must be a whole number"),
-    ({"sentinel_interval": 5, "sentinel_policy": "halt"}, "'sentinel_policy' must be one of warn, stop, got 'halt'"),
-    ({"sentinel_interval": 5, "sentinel_capture_folder": None}, "'sentinel_capture_folder' must be a folder path"),
-    ({"sentinel_interval": 5, "model_compile_enabled": True}, "does not run under torch.compile yet"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"sentinel_interval": -1}, "'sentinel_interval' must be a whole number of steps >= 0"),
+        ({"sentinel_interval": "10"}, "'sentinel_interval' must be a whole number"),
+        (
+            {"sentinel_interval": 5, "sentinel_policy": "halt"},
+            "'sentinel_policy' must be one of warn, stop, got 'halt'",
+        ),
+        ({"sentinel_interval": 5, "sentinel_capture_folder": None}, "'sentinel_capture_folder' must be a folder path"),
+        ({"sentinel_interval": 5, "model_compile_enabled": True}, "does not run under torch.compile yet"),
+    ],
+)
 def test_bad_sentinel_options_are_refused_by_name(options, message):
     with pytest.raises(ValueError, match=message):
         Float8Converter.Config(**options).build()
@@ -83,9 +89,15 @@ def test_on_it_changes_no_bit_and_checks_one_layer_per_checked_step_in_turn():
     assert all(torch.equal(a, b) for step_a, step_b in zip(off[1], on[1]) for a, b in zip(step_a, step_b))
     assert all(torch.equal(a, b) for a, b in zip(off[2], on[2]))
     active = sentinel.active_sentinel()
-    assert [layer.name for layer in active.layers[:2]] == ["layers.0.attention.qkv_linear.wqkv", "layers.0.attention.wo"]
+    assert [layer.name for layer in active.layers[:2]] == [
+        "layers.0.attention.qkv_linear.wqkv",
+        "layers.0.attention.wo",
+    ]
     reports = active.reports
-    assert [(r.step, r.checked_layer) for r in reports] == [(2, "layers.0.attention.qkv_linear.wqkv"), (4, "layers.0.attention.wo")]
+    assert [(r.step, r.checked_layer) for r in reports] == [
+        (2, "layers.0.attention.qkv_linear.wqkv"),
+        (4, "layers.0.attention.wo"),
+    ]
     for report in reports:
         assert not report.breaches and len(report.checks) == 1
         assert [q.quantity for q in report.checks[0].quantities] == ["out", "grad_input", "grad_weight"]
@@ -118,7 +130,12 @@ def _inputs(op, generator):
     if op == "linear":
         x = torch.randn(64, 256, generator=generator).bfloat16()
         weight = (torch.randn(128, 256, generator=generator) * 0.05).bfloat16()
-        return x, weight, torch.randn(128, generator=generator).bfloat16(), torch.randn(64, 128, generator=generator).bfloat16()
+        return (
+            x,
+            weight,
+            torch.randn(128, generator=generator).bfloat16(),
+            torch.randn(64, 128, generator=generator).bfloat16(),
+        )
     A = torch.randn(112, 256, generator=generator).bfloat16()  # 16 rows past offs[-1]
     W = (torch.randn(3, 256, 256, generator=generator) * 0.05).bfloat16()
     offs = torch.tensor([40, 40, 96], dtype=torch.int32)  # an empty expert
@@ -185,19 +202,35 @@ def test_a_weight_fsdp2_gathered_in_fp8_is_checked_as_the_backend_took_it(backen
         ("rows", 3, 2, 4, 1, "out is not bit-identical to the emulation (8 of 64 rows differ: rows 0, 1, 2"),
         ("grad_rows", 2, 3, 3, 0, "grad_input is not bit-identical to the emulation (8 of 64 rows differ"),
         # a NaN: the every-step finite checks name the layer that made it, on the step it appears
-        ("nan", 2, 5, 2, None, "non-finite values made by layers.0.attention.qkv_linear.wqkv (call 1, backend corrupted): "
-                              "out non-finite from finite inputs (max|input| "),
+        (
+            "nan",
+            2,
+            5,
+            2,
+            None,
+            "non-finite values made by layers.0.attention.qkv_linear.wqkv (call 1, backend corrupted): "
+            "out non-finite from finite inputs (max|input| ",
+        ),
         # ... and on a checked step the re-computation compares the forward (the gradient came back NaN)
         ("nan", 2, 2, 2, 0, "out has NaN/inf in 1 of 64 rows: rows 0"),
     ],
 )
 @pytest.mark.parametrize("policy", ["warn", "stop"])
 def test_a_corrupted_backend_is_caught_on_the_first_checked_step(
-    corrupted, mode, from_step, interval, caught_at, layer, expected, policy, tmp_path,
+    corrupted,
+    mode,
+    from_step,
+    interval,
+    caught_at,
+    layer,
+    expected,
+    policy,
+    tmp_path,
 ):
     corrupted.mode, corrupted.from_step = mode, from_step
-    model = converted(backend="corrupted", sentinel_interval=interval, sentinel_policy=policy,
-                      sentinel_capture_folder=str(tmp_path))
+    model = converted(
+        backend="corrupted", sentinel_interval=interval, sentinel_policy=policy, sentinel_capture_folder=str(tmp_path)
+    )
     active = sentinel.active_sentinel()
     if policy == "stop":
         with pytest.raises(SentinelBreach) as raised:
@@ -245,8 +278,13 @@ def test_a_capture_replays_on_every_backend_here(corrupted, tmp_path, capsys):
     assert "corrupted: out is not bit-identical" in out
     doc = json.loads((tmp_path / "replay.json").read_text())
     status = {row["backend"]: row["status"] for row in doc["results"]}
-    assert status == {"captured (corrupted, training machine)": "reproduced", "emulated": "pass", "torchao": "pass",
-                      "corrupted": "fail", "primus_turbo": "skipped"}
+    assert status == {
+        "captured (corrupted, training machine)": "reproduced",
+        "emulated": "pass",
+        "torchao": "pass",
+        "corrupted": "fail",
+        "primus_turbo": "skipped",
+    }
     tp.registry.unregister(corrupt_backend)
     assert cli.main(["parity", "--replay", str(path)]) == 0  # every backend left here agrees with the emulation
     assert cli.main(["parity", "--replay", str(tmp_path / "replay.json")]) == 2  # not a capture: one-line error
@@ -284,7 +322,10 @@ def test_a_trainer_gives_the_steps_and_receives_the_metrics():
         trainer.step += 1
         trainer.train_step()
     active = sentinel.active_sentinel()
-    assert [(r.step, r.checked_layer) for r in active.reports] == [(10, active.layers[4].name), (12, active.layers[5].name)]
+    assert [(r.step, r.checked_layer) for r in active.reports] == [
+        (10, active.layers[4].name),
+        (12, active.layers[5].name),
+    ]
     logged = trainer.metrics_processor.logger.logged
     assert [step for step, _ in logged] == [10, 12]
     assert logged[0][1]["sentinel/breaches"] == 0 and logged[0][1]["sentinel/bitwise_equal"] == 1

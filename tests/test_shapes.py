@@ -15,7 +15,10 @@ DIMS = [(8, 8), (7, 9), (12, 16), (16, 12), (15, 17), (24, 20), (32, 48)]
 
 def supported(op, backend, device, k, n):
     impl = tp.registry.get_backend(backend)
-    return impl.availability(tp.device_profile(device)).ok and impl.supports(op, "rowwise", tp.device_profile(device), k=k, n=n).ok
+    return (
+        impl.availability(tp.device_profile(device)).ok
+        and impl.supports(op, "rowwise", tp.device_profile(device), k=k, n=n).ok
+    )
 
 
 @pytest.mark.parametrize("device", ["cpu", "gfx942"])
@@ -27,7 +30,9 @@ def test_emulated_grouped_mm_runs_every_shape_it_accepts(device, k, n):
     A = torch.randn(sum(counts) + trailing, k, dtype=torch.bfloat16)
     W = (torch.randn(len(counts), n, k) * 0.2).bfloat16()
     g = torch.randn(A.shape[0], n)
-    got = run_grouped(lambda A, B_t, offs: tp.fp8_grouped_mm(A, B_t, offs, backend="emulated", device=device), A, W, offs, g)
+    got = run_grouped(
+        lambda A, B_t, offs: tp.fp8_grouped_mm(A, B_t, offs, backend="emulated", device=device), A, W, offs, g
+    )
     out, grad_A, grad_W = got
     assert (out.shape, grad_A.shape, grad_W.shape) == ((A.shape[0], n), A.shape, W.shape)
     assert torch.equal(out[-trailing:], torch.zeros_like(out[-trailing:]))
@@ -47,8 +52,13 @@ def test_padding_changes_no_result():
         return tp.fp8_grouped_mm(A, B_t, offs, backend="emulated", device="cpu")
 
     got = run_grouped(op, A, W, offs, g)
-    padded = run_grouped(op, torch.nn.functional.pad(A, (0, 4)), torch.nn.functional.pad(W, (0, 4, 0, 4)), offs,
-                         torch.nn.functional.pad(g, (0, 4)))
+    padded = run_grouped(
+        op,
+        torch.nn.functional.pad(A, (0, 4)),
+        torch.nn.functional.pad(W, (0, 4, 0, 4)),
+        offs,
+        torch.nn.functional.pad(g, (0, 4)),
+    )
     expected = [padded[0][:, :20], padded[1][:, :12], padded[2][:, :20, :12]]
     assert all(torch.equal(a, e) for a, e in zip(got, expected))
 
@@ -65,7 +75,9 @@ def test_every_linear_shape_a_backend_accepts_runs(backend, device):
             continue
         accepted += 1
         x, w, g = torch.randn(16, k, dtype=torch.bfloat16), torch.randn(n, k) * 0.1, torch.randn(16, n)
-        out, grad_x, grad_w, _ = run_linear(lambda x, w, b: tp.fp8_linear(x, w, b, backend=backend, device=device), x, w, None, g)
+        out, grad_x, grad_w, _ = run_linear(
+            lambda x, w, b: tp.fp8_linear(x, w, b, backend=backend, device=device), x, w, None, g
+        )
         assert all(torch.isfinite(t).all() for t in (out, grad_x, grad_w)), (k, n)
     assert accepted
 

@@ -20,7 +20,9 @@ def test_torchao_linear_matches_emulation(device, recipe):
     b = torch.randn(64)
     g = torch.randn(2, 48, 64)
     ao = tp.select_backend("linear", recipe, device, "torchao")
-    got = run_linear(lambda x, w, b: tp.fp8_linear(x, w, b, recipe=recipe, backend="torchao", device=device), x, w, b, g)
+    got = run_linear(
+        lambda x, w, b: tp.fp8_linear(x, w, b, recipe=recipe, backend="torchao", device=device), x, w, b, g
+    )
     emulated = run_linear(
         lambda x, w, b: tp.fp8_linear(x, w, b, recipe=ao.recipe, backend="emulated", device=device), x, w, b, g
     )
@@ -35,8 +37,10 @@ def test_torchao_refuses_other_definitions():
         tp.fp8_linear(torch.randn(4, 16), torch.randn(16, 16), recipe=recipe, backend="torchao", device="gfx942")
 
 
-@pytest.mark.parametrize("a_layout, b_layout", [("row-major", "TorchTitan's transposed view"),
-                                                 ("row-major", "contiguous"), ("column-major", "contiguous")])
+@pytest.mark.parametrize(
+    "a_layout, b_layout",
+    [("row-major", "TorchTitan's transposed view"), ("row-major", "contiguous"), ("column-major", "contiguous")],
+)
 def test_torchao_grouped_mm_takes_every_layout_and_copies_only_where_torchao_needs(a_layout, b_layout, monkeypatch):
     """TorchAO's rowwise grouped GEMM asserts a row-major A and a column-major B_t;
     fp8_grouped_mm takes any layout. TorchAO's own Python (asserts, autograd Function) runs on the
@@ -51,8 +55,10 @@ def test_torchao_grouped_mm_takes_every_layout_and_copies_only_where_torchao_nee
     W = (torch.randn(4, 48, 64) * 0.05).bfloat16()  # [E, N, K], TorchTitan's expert weights
     grad = torch.randn(80, 48).bfloat16()
     B_t = W.transpose(-2, -1)  # [E, K, N], column-major
-    leaves = [(A.clone() if a_layout == "row-major" else A.t().contiguous().t()).requires_grad_(),
-              (B_t if b_layout.startswith("TorchTitan") else B_t.contiguous()).requires_grad_()]
+    leaves = [
+        (A.clone() if a_layout == "row-major" else A.t().contiguous().t()).requires_grad_(),
+        (B_t if b_layout.startswith("TorchTitan") else B_t.contiguous()).requires_grad_(),
+    ]
     out = decision.backend.grouped_mm(*leaves, offs, decision.recipe)
     out.backward(grad)
     got = [out, *(t.grad for t in leaves)]
@@ -80,5 +86,7 @@ def test_torchao_on_real_fp8_gpu_matches_emulation():
     w = torch.randn(2048, 1024, device="cuda") * 0.02
     g = torch.randn(512, 2048, device="cuda")
     got = run_linear(lambda x, w, b: tp.fp8_linear(x, w, b), x, w, None, g)
-    emulated = run_linear(lambda x, w, b: tp.fp8_linear(x, w, b, recipe=decision.recipe, backend="emulated"), x, w, None, g)
+    emulated = run_linear(
+        lambda x, w, b: tp.fp8_linear(x, w, b, recipe=decision.recipe, backend="emulated"), x, w, None, g
+    )
     assert min(sqnrs(emulated, got)) >= 40

@@ -55,8 +55,12 @@ def test_checkpoints_resume_across_bf16_and_fp8(model, bf16_config, fp8_config, 
 
 def test_override_route_on_a_stock_config(tmp_path):
     losses, log = run_trainer(
-        "llama3", "llama3_debugmodel", tmp_path / "ovr", 2,
-        "--override.imports", 'titan_primus.torchtitan.overrides.fp8={"recipe": "tensorwise"}',
+        "llama3",
+        "llama3_debugmodel",
+        tmp_path / "ovr",
+        2,
+        "--override.imports",
+        'titan_primus.torchtitan.overrides.fp8={"recipe": "tensorwise"}',
         "titan_primus.torchtitan.overrides.fp8_selective_ac",
     )
     assert "recipe tensorwise" in log and "linears: 31 -> emulated" in log

@@ -50,23 +50,54 @@ LOSS = re.compile(r"step:\s*(\d+)\s.*?loss:\s*([0-9.]+)")
 
 
 def run_trainer(
-    module: str, config: str, dump: Path, steps: int, *extra: str, seq_len: int = 128,
-    batch: int = 2, nproc: int = 1, env: dict | None = None, expect_failure: bool = False,
+    module: str,
+    config: str,
+    dump: Path,
+    steps: int,
+    *extra: str,
+    seq_len: int = 128,
+    batch: int = 2,
+    nproc: int = 1,
+    env: dict | None = None,
+    expect_failure: bool = False,
 ) -> tuple[dict[int, float], str]:
     """Run TorchTitan's real trainer through the CPU launcher (``nproc`` ranks, gloo);
     returns ({step: loss}, log)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-        str(EXAMPLES / "cpu_launch.py"), "--module", module, "--config", config,
-        "--hf_assets_path", str(EXAMPLES / "assets" / "tokenizer"),
-        "--dataloader.dataset_path", str(EXAMPLES / "assets" / "corpus"),
-        "--training.steps", str(steps), "--training.seq_len", str(seq_len),
-        "--training.local_batch_size", str(batch), "--dump_folder", str(dump),
-        "--metrics.log_freq", "1", "--debug.seed", "42", "--validator.no-enable", *extra,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(EXAMPLES / "cpu_launch.py"),
+        "--module",
+        module,
+        "--config",
+        config,
+        "--hf_assets_path",
+        str(EXAMPLES / "assets" / "tokenizer"),
+        "--dataloader.dataset_path",
+        str(EXAMPLES / "assets" / "corpus"),
+        "--training.steps",
+        str(steps),
+        "--training.seq_len",
+        str(seq_len),
+        "--training.local_batch_size",
+        str(batch),
+        "--dump_folder",
+        str(dump),
+        "--metrics.log_freq",
+        "1",
+        "--debug.seed",
+        "42",
+        "--validator.no-enable",
+        *extra,
     ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     log = proc.stdout + proc.stderr
     if (proc.returncode != 0) != expect_failure:
-        raise AssertionError(f"trainer exit code {proc.returncode} (expected failure: {expect_failure}):\n{log[-6000:]}")
+        raise AssertionError(
+            f"trainer exit code {proc.returncode} (expected failure: {expect_failure}):\n{log[-6000:]}"
+        )
     return {int(s): float(v) for s, v in LOSS.findall(re.sub(r"\x1b\[[0-9;]*m", "", log))}, log

@@ -51,11 +51,14 @@ def gemms_per_step(model, ops, ac_save_list) -> tuple[int, int]:
     return forward, forward + backward
 
 
-@pytest.mark.parametrize("model_name, backend, recipe", [
-    ("llama3", "emulated", "rowwise"),
-    ("deepseek_v3", "emulated", "rowwise"),
-    ("llama3", "torchao", "tensorwise"),
-])
+@pytest.mark.parametrize(
+    "model_name, backend, recipe",
+    [
+        ("llama3", "emulated", "rowwise"),
+        ("deepseek_v3", "emulated", "rowwise"),
+        ("llama3", "torchao", "tensorwise"),
+    ],
+)
 def test_selective_op_ac_runs_three_fp8_gemms_per_op(model_name, backend, recipe):
     """Eager, one step of the debug model: FP8 GEMMs without checkpointing, with 0.2.2's selective
     op policy on its stock save list, and on the list the converter extended. Measured

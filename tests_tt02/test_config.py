@@ -43,8 +43,15 @@ def test_example_toml_reaches_the_converter():
 
 
 def test_cli_overrides_the_toml_section():
-    config = parse("--titan_primus.recipe", "tensorwise", "--titan_primus.filter_fqns", "router.gate,output",
-                   "--titan_primus.strict", "--titan_primus.device", "gfx950")
+    config = parse(
+        "--titan_primus.recipe",
+        "tensorwise",
+        "--titan_primus.filter_fqns",
+        "router.gate,output",
+        "--titan_primus.strict",
+        "--titan_primus.device",
+        "gfx950",
+    )
     assert config.titan_primus == ConversionOptions(
         recipe="tensorwise", filter_fqns=["router.gate", "output"], strict=True, device="gfx950"
     )

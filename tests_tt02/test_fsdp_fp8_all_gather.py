@@ -11,11 +11,14 @@ FSDP2 = ("--parallelism.data_parallel_shard_degree", "2", "--titan_primus.recipe
 ON = "--titan_primus.enable_fsdp_float8_all_gather"
 
 
-@pytest.mark.parametrize("recipe, fsdp, wrapped", [("tensorwise", 2, True), ("tensorwise", 1, False), ("rowwise", 2, False)])
+@pytest.mark.parametrize(
+    "recipe, fsdp, wrapped", [("tensorwise", 2, True), ("tensorwise", 1, False), ("rowwise", 2, False)]
+)
 def test_converter_wraps_weights_only_where_fsdp_gathers_them_exactly(recipe, fsdp, wrapped):
     model = meta_model("deepseek_v3")
-    report = convert(model, parallel_dims(world_size=fsdp), recipe=recipe, device="cpu",
-                     enable_fsdp_float8_all_gather=True).report
+    report = convert(
+        model, parallel_dims(world_size=fsdp), recipe=recipe, device="cpu", enable_fsdp_float8_all_gather=True
+    ).report
     weights = [m.weight for m in model.modules() if isinstance(m, Fp8Linear)]
     experts = [w for m in model.modules() if isinstance(m, Fp8GroupedExperts) for w in (m.w1, m.w2, m.w3)]
     assert weights and experts
@@ -30,8 +33,9 @@ def test_tied_output_projection_keeps_its_tie_and_bf16_all_gather():
     embedding reads its values); the other linears' weights go in FP8."""
     model = meta_model("qwen3")
     assert model.output.weight is model.tok_embeddings.weight
-    report = convert(model, parallel_dims(world_size=2), recipe="tensorwise", device="cpu",
-                     enable_fsdp_float8_all_gather=True).report
+    report = convert(
+        model, parallel_dims(world_size=2), recipe="tensorwise", device="cpu", enable_fsdp_float8_all_gather=True
+    ).report
     assert isinstance(model.output, Fp8Linear) and model.output.weight is model.tok_embeddings.weight
     assert not isinstance(model.output.weight.data, Fp8AllGatherWeight)
     others = [m.weight for m in model.modules() if isinstance(m, Fp8Linear) and m is not model.output]

@@ -76,7 +76,8 @@ def test_strict_refuses_a_fallback_and_default_logs_it(caplog):
 
 def test_backend_requested_by_name_and_by_environment(monkeypatch):
     assert routes(convert(meta_model("deepseek_v3"), device="sm90", backend="emulated").report) == {
-        "linear": "emulated", "grouped_mm": "emulated"
+        "linear": "emulated",
+        "grouped_mm": "emulated",
     }
     monkeypatch.setenv("TITAN_PRIMUS_BACKEND", "emulated")
     assert routes(convert(meta_model("llama3"), device="sm90").report) == {"linear": "emulated"}

@@ -18,17 +18,26 @@ from titan_primus.torchtitan02 import Fp8GroupedExperts, Fp8Linear
 
 
 def test_options_come_from_the_toml_section_and_the_command_line():
-    config = parse("--titan_primus.sentinel_interval", "50", "--titan_primus.sentinel_policy", "stop",
-                   "--titan_primus.sentinel_capture_folder", "/tmp/breaches")
+    config = parse(
+        "--titan_primus.sentinel_interval",
+        "50",
+        "--titan_primus.sentinel_policy",
+        "stop",
+        "--titan_primus.sentinel_capture_folder",
+        "/tmp/breaches",
+    )
     options = config.titan_primus.sentinel()
     assert (options.interval, options.policy, options.capture_folder) == (50, "stop", "/tmp/breaches")
     assert parse().titan_primus.sentinel() is None  # off by default
 
 
-@pytest.mark.parametrize("options, message", [
-    ({"sentinel_interval": -3}, "'sentinel_interval' must be a whole number of steps >= 0"),
-    ({"sentinel_interval": 5, "sentinel_policy": "abort"}, "'sentinel_policy' must be one of warn, stop"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"sentinel_interval": -3}, "'sentinel_interval' must be a whole number of steps >= 0"),
+        ({"sentinel_interval": 5, "sentinel_policy": "abort"}, "'sentinel_policy' must be one of warn, stop"),
+    ],
+)
 def test_bad_values_are_refused_by_name(options, message):
     with pytest.raises(ValueError, match=message):
         convert(meta_model("llama3"), **options)
@@ -76,20 +85,41 @@ def _plugin_env(tmp_path, corruption: str) -> dict:
     "corruption, policy, caught_at, breach",
     [
         # wrong rows from step 3: interval 2 checks layer 0 at step 2 (clean), layer 1 at step 4
-        ("rows:3", "stop", 4, "layers.0.attention.wk (linear; corrupted, rowwise (torchao definition, e4m3fn)): "
-                             "out is not bit-identical to the emulation (32 of 256 rows differ"),
+        (
+            "rows:3",
+            "stop",
+            4,
+            "layers.0.attention.wk (linear; corrupted, rowwise (torchao definition, e4m3fn)): "
+            "out is not bit-identical to the emulation (32 of 256 rows differ",
+        ),
         # a NaN from step 2: the every-step checks name the layer that made it, on that step
-        ("nan:2", "warn", 2, "non-finite values made by layers.0.attention.wq (call 1, backend corrupted): "
-                             "out non-finite from finite inputs"),
+        (
+            "nan:2",
+            "warn",
+            2,
+            "non-finite values made by layers.0.attention.wq (call 1, backend corrupted): "
+            "out non-finite from finite inputs",
+        ),
     ],
 )
-def test_a_corrupted_plugin_backend_is_caught_on_the_first_checked_step(corruption, policy, caught_at, breach, tmp_path):
+def test_a_corrupted_plugin_backend_is_caught_on_the_first_checked_step(
+    corruption, policy, caught_at, breach, tmp_path
+):
     captures = tmp_path / "captures"
     losses, log = run_trainer(
-        EXAMPLES / "llama3_debug_fp8.toml", tmp_path / "run", 4 if policy == "warn" else 5,
-        "--titan_primus.backend", "corrupted", "--titan_primus.sentinel_interval", "2",
-        "--titan_primus.sentinel_policy", policy, "--titan_primus.sentinel_capture_folder", str(captures),
-        env=_plugin_env(tmp_path, corruption), expect_failure=policy == "stop",
+        EXAMPLES / "llama3_debug_fp8.toml",
+        tmp_path / "run",
+        4 if policy == "warn" else 5,
+        "--titan_primus.backend",
+        "corrupted",
+        "--titan_primus.sentinel_interval",
+        "2",
+        "--titan_primus.sentinel_policy",
+        policy,
+        "--titan_primus.sentinel_capture_folder",
+        str(captures),
+        env=_plugin_env(tmp_path, corruption),
+        expect_failure=policy == "stop",
     )
     assert "linears: 43 -> corrupted" in log
     assert breach in log, log[-3000:]

@@ -62,7 +62,6 @@ def tokens(vocab_size: int = 2048, batch: int = 2, seq: int = 64, seed: int = 1)
     return torch.randint(0, vocab_size, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
 
-
 def stock_toml(fp8_toml: Path, directory: Path) -> Path:
     """The example config without the converter: TorchTitan's stock model, otherwise identical."""
     text = fp8_toml.read_text()
@@ -73,7 +72,13 @@ def stock_toml(fp8_toml: Path, directory: Path) -> Path:
 
 
 def run_trainer(
-    toml: Path, dump: Path, steps: int, *extra: str, seq_len: int = 128, nproc: int = 1, env: dict | None = None,
+    toml: Path,
+    dump: Path,
+    steps: int,
+    *extra: str,
+    seq_len: int = 128,
+    nproc: int = 1,
+    env: dict | None = None,
     expect_failure: bool = False,
 ) -> tuple[dict[int, float], str]:
     """TorchTitan 0.2's real trainer through the CPU launcher (``nproc`` ranks, gloo); returns
@@ -82,13 +87,30 @@ def run_trainer(
     # Always torchrun, one rank too: its standalone rendezvous binds its own port, where a plain
     # launch (cpu_world picks a free port, then releases it) can lose the port to a concurrent test.
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-        str(EXAMPLES / "cpu_launch.py"), "--job.config_file", str(toml),
-        "--training.steps", str(steps), "--training.seq_len", str(seq_len), "--training.local_batch_size", "2",
-        "--job.dump_folder", str(dump), "--debug.seed", "42", *extra,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(EXAMPLES / "cpu_launch.py"),
+        "--job.config_file",
+        str(toml),
+        "--training.steps",
+        str(steps),
+        "--training.seq_len",
+        str(seq_len),
+        "--training.local_batch_size",
+        "2",
+        "--job.dump_folder",
+        str(dump),
+        "--debug.seed",
+        "42",
+        *extra,
     ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     log = proc.stdout + proc.stderr
     if (proc.returncode != 0) != expect_failure:
-        raise AssertionError(f"trainer exit code {proc.returncode} (expected failure: {expect_failure}):\n{log[-6000:]}")
+        raise AssertionError(
+            f"trainer exit code {proc.returncode} (expected failure: {expect_failure}):\n{log[-6000:]}"
+        )
     return {int(s): float(v) for s, v in LOSS.findall(re.sub(r"\x1b\[[0-9;]*m", "", log))}, log

@@ -24,6 +24,7 @@ def __getattr__(name: str):
         return Float8Converter
     raise AttributeError(f"module 'titan_primus' has no attribute {name!r}")
 
+
 __all__ = [
     "BackendUnavailableError",
     "DeviceProfile",

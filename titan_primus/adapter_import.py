@@ -27,7 +27,9 @@ def adapter_import_error(
     """
     missing = error.name or ""
     if missing == "torchtitan":
-        return ImportError(f"{adapter} needs TorchTitan {line}, which is not installed: pip install 'titan-primus[{extra}]'")
+        return ImportError(
+            f"{adapter} needs TorchTitan {line}, which is not installed: pip install 'titan-primus[{extra}]'"
+        )
     version = installed_version("torchtitan") or "of unknown version"
     if missing == line_module or (line_module.startswith(f"{missing}.") and missing.startswith("torchtitan.")):
         return ImportError(
@@ -56,7 +58,7 @@ def _where(error: BaseException) -> str:
     parts = Path(frames[-1].filename).parts
     # From the package down (torchtitan/models/...), wherever TorchTitan is installed or checked out.
     if "torchtitan" in parts:
-        parts = parts[len(parts) - 1 - parts[::-1].index("torchtitan"):]
+        parts = parts[len(parts) - 1 - parts[::-1].index("torchtitan") :]
     return f"in {'/'.join(parts).lstrip('/')}, line {frames[-1].lineno}"
 
 

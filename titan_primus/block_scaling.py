@@ -37,7 +37,9 @@ class BlockCells:
 
     __slots__ = ("shape", "block", "col_keys", "n_rows", "n_cols")
 
-    def __init__(self, shape: tuple[int, int], block: tuple[int, int], col_keys: torch.Tensor | None = None, n_cols: int = 0):
+    def __init__(
+        self, shape: tuple[int, int], block: tuple[int, int], col_keys: torch.Tensor | None = None, n_cols: int = 0
+    ):
         self.shape, self.block, self.col_keys = shape, block, col_keys
         self.n_rows = -(-shape[0] // block[0])
         self.n_cols = n_cols if col_keys is not None else -(-shape[1] // block[1])
@@ -89,7 +91,9 @@ def segment_keys(offs: torch.Tensor, length: int, block: int) -> tuple[torch.Ten
     return keys, -(-length // block) + len(offs) + 1
 
 
-def cells_of(shape: tuple[int, int], block: tuple[int, int], device, col_segments: torch.Tensor | None = None) -> BlockCells:
+def cells_of(
+    shape: tuple[int, int], block: tuple[int, int], device, col_segments: torch.Tensor | None = None
+) -> BlockCells:
     """The cells of an [R, C] operand in ``block`` = (rows, cols) blocks; ``col_segments``: the
     int32 group end offsets along C when C is a grouped GEMM's token dimension."""
     if col_segments is None:

@@ -22,8 +22,15 @@ from .recipes import RECIPE_NAMES
 MODELS = ("llama3", "deepseek_v3", "qwen3")
 SUFFIX = "_fp8"
 
-__all__ = ["MODELS", "with_fp8", "stock_config", "llama3_debugmodel_fp8", "deepseek_v3_debugmodel_fp8",
-           "qwen3_debugmodel_fp8", "qwen3_moe_debug_fp8"]
+__all__ = [
+    "MODELS",
+    "with_fp8",
+    "stock_config",
+    "llama3_debugmodel_fp8",
+    "deepseek_v3_debugmodel_fp8",
+    "qwen3_debugmodel_fp8",
+    "qwen3_moe_debug_fp8",
+]
 
 
 def stock_config(name: str):
@@ -34,9 +41,7 @@ def stock_config(name: str):
             fn = getattr(registry, name, None)
             if callable(fn):
                 return fn
-    raise AttributeError(
-        f"no stock TorchTitan config {name!r} in the {', '.join(MODELS)} config registries"
-    )
+    raise AttributeError(f"no stock TorchTitan config {name!r} in the {', '.join(MODELS)} config registries")
 
 
 def with_fp8(config, **converter_options):

@@ -71,7 +71,8 @@ def check_parallelism(
     """
     backend, recipe = (
         (decision_or_recipe.backend, decision_or_recipe.recipe)
-        if isinstance(decision_or_recipe, RoutingDecision) else decision_or_recipe
+        if isinstance(decision_or_recipe, RoutingDecision)
+        else decision_or_recipe
     )
     if parallel_dims.tp > 1 and recipe.block_scaled:
         raise ValueError(
@@ -226,8 +227,11 @@ class ConversionReport:
                 verdict = self.fp8_all_gather[op]
                 how = "FP8 payload + scales" if verdict else "bf16"
                 lines.append(f"  {label}: FSDP2 weight all-gather in {how}: {verdict.reason}")
-                lines += [f"    except {fqn}, in bf16: {why}" for fqn, why in self.tied.items()
-                          if any(r.fqn == fqn for r in self.converted(kind))]
+                lines += [
+                    f"    except {fqn}, in bf16: {why}"
+                    for fqn, why in self.tied.items()
+                    if any(r.fqn == fqn for r in self.converted(kind))
+                ]
         return "\n".join(lines)
 
 
@@ -287,8 +291,10 @@ class LayerRouter:
             decision = self.decision(op)
             self.report.fp8_all_gather[op] = fp8_all_gather_plan(decision.backend, decision.recipe, op)[1]
         if self.report.fp8_all_gather[op] and shared_with:
-            self.report.tied[fqn] = (f"its weight is tied to {shared_with}, which reads it in high precision; "
-                                     f"the FP8 GEMM quantizes the gathered weight as without the option")
+            self.report.tied[fqn] = (
+                f"its weight is tied to {shared_with}, which reads it in high precision; "
+                f"the FP8 GEMM quantizes the gathered weight as without the option"
+            )
             return False
         return bool(self.report.fp8_all_gather[op])
 

@@ -77,9 +77,7 @@ def device_profile(arch: str) -> DeviceProfile:
     try:
         return _NAMED[arch]
     except KeyError:
-        raise ValueError(
-            f"unknown device profile {arch!r}; known profiles: {', '.join(_NAMED)}"
-        ) from None
+        raise ValueError(f"unknown device profile {arch!r}; known profiles: {', '.join(_NAMED)}") from None
 
 
 def _rocm_profile(arch: str, name: str) -> DeviceProfile:

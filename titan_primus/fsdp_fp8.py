@@ -115,8 +115,7 @@ def _weight_casts_exact(recipe: Fp8Recipe) -> Verdict:
     else:
         why = "grad_input casts the high-precision weight with one tensorwise scale"
     return Verdict.no(
-        f"{recipe.describe()}: {why}, so an exact FP8 all-gather would need a second FP8 copy "
-        f"(no traffic saved)"
+        f"{recipe.describe()}: {why}, so an exact FP8 all-gather would need a second FP8 copy (no traffic saved)"
     )
 
 
@@ -163,7 +162,9 @@ class Fp8GatheredWeight(torch.Tensor):
 
     @staticmethod
     def __new__(cls, data, scale, dtype, reciprocal, source_dtype=None):
-        return torch.Tensor._make_wrapper_subclass(cls, data.shape, strides=data.stride(), dtype=dtype, device=data.device)
+        return torch.Tensor._make_wrapper_subclass(
+            cls, data.shape, strides=data.stride(), dtype=dtype, device=data.device
+        )
 
     def __init__(self, data, scale, dtype, reciprocal, source_dtype=None):
         self._data, self._scale, self._reciprocal = data, scale, reciprocal
@@ -171,8 +172,11 @@ class Fp8GatheredWeight(torch.Tensor):
 
     def _with(self, data=None, scale=None, dtype=None) -> "Fp8GatheredWeight":
         return Fp8GatheredWeight(
-            self._data if data is None else data, self._scale if scale is None else scale,
-            dtype or self.dtype, self._reciprocal, self._source_dtype,
+            self._data if data is None else data,
+            self._scale if scale is None else scale,
+            dtype or self.dtype,
+            self._reciprocal,
+            self._source_dtype,
         )
 
     def dequantize(self) -> torch.Tensor:
@@ -217,9 +221,7 @@ class Fp8GatheredWeight(torch.Tensor):
                 "converters do for TorchTitan's weight tying) or turn enable_fsdp_float8_all_gather off."
             )
         # Anything else (a norm for logging, a print) sees the dequantized weight.
-        args, kwargs = tree_map_only(
-            Fp8GatheredWeight, lambda t: t.dequantize().to(t.dtype), (args, kwargs)
-        )
+        args, kwargs = tree_map_only(Fp8GatheredWeight, lambda t: t.dequantize().to(t.dtype), (args, kwargs))
         return func(*args, **kwargs)
 
     def _kept_fp8(self, func, args, kwargs) -> "Fp8GatheredWeight | None":
@@ -229,7 +231,8 @@ class Fp8GatheredWeight(torch.Tensor):
         # nn.Parameter detaches it: both are the tensor itself.
         if func in self._VIEWS or (
             func is aten.as_strided.default
-            and tuple(args[1]) == tuple(self.shape) and tuple(args[2]) == self.stride()
+            and tuple(args[1]) == tuple(self.shape)
+            and tuple(args[2]) == self.stride()
             and (args[3] if len(args) > 3 else kwargs.get("storage_offset", 0)) in (0, None)
         ):
             return self._with()
@@ -237,9 +240,14 @@ class Fp8GatheredWeight(torch.Tensor):
             dims = args[1:3]
             scale = self._scale if self._scale.dim() == 0 else self._scale.transpose(*dims)
             return self._with(self._data.transpose(*dims), scale)
-        if func is aten._to_copy.default and kwargs.get("dtype") == self._source_dtype and all(
-            value in (None, False, torch.preserve_format, self.device, self.layout)
-            for key, value in kwargs.items() if key != "dtype"
+        if (
+            func is aten._to_copy.default
+            and kwargs.get("dtype") == self._source_dtype
+            and all(
+                value in (None, False, torch.preserve_format, self.device, self.layout)
+                for key, value in kwargs.items()
+                if key != "dtype"
+            )
         ):
             return self._with(dtype=self._source_dtype)
         if func is aten.constant_pad_nd.default and (args[2] if len(args) > 2 else 0) == 0 and min(args[1]) >= 0:
@@ -290,8 +298,13 @@ class Fp8AllGatherWeight(torch.Tensor):
     @staticmethod
     def __new__(cls, tensor: torch.Tensor, plan: Fp8AllGatherPlan):
         return torch.Tensor._make_wrapper_subclass(
-            cls, tensor.shape, strides=tensor.stride(), storage_offset=tensor.storage_offset(),
-            dtype=tensor.dtype, device=tensor.device, requires_grad=tensor.requires_grad,
+            cls,
+            tensor.shape,
+            strides=tensor.stride(),
+            storage_offset=tensor.storage_offset(),
+            dtype=tensor.dtype,
+            device=tensor.device,
+            requires_grad=tensor.requires_grad,
         )
 
     def __init__(self, tensor: torch.Tensor, plan: Fp8AllGatherPlan):
@@ -368,7 +381,11 @@ class Fp8AllGatherWeight(torch.Tensor):
             return
         if high_precision:
             return data, tuple(all_gather_outputs)
-        scale = tensorwise_scale if tensorwise_scale is not None else all_gather_outputs[1].view(-1, *outer_size[1:-1], 1)[: outer_size[0]]
+        scale = (
+            tensorwise_scale
+            if tensorwise_scale is not None
+            else all_gather_outputs[1].view(-1, *outer_size[1:-1], 1)[: outer_size[0]]
+        )
         # The gathered weight views the first rows; FSDP2 frees and reallocates the whole
         # all-gather outputs between uses.
         gathered = self._plan.backend.gathered_weight(data, scale, param_dtype, self._plan.recipe, source_dtype)
@@ -386,8 +403,10 @@ def _why_high_precision(plan: Fp8AllGatherPlan, outer_size, shard_dim: int, worl
     if plan.granularity != "rowwise" or world == 1:
         return None
     if shard_dim != 0:
-        return (f"FSDP2 shards it on dim {shard_dim} (TorchTitan does for expert weights when the FSDP "
-                f"degree exceeds the number of experts), where it cannot gather per-row scales")
+        return (
+            f"FSDP2 shards it on dim {shard_dim} (TorchTitan does for expert weights when the FSDP "
+            f"degree exceeds the number of experts), where it cannot gather per-row scales"
+        )
     if outer_size[0] % world:
         return f"its {outer_size[0]} rows do not divide by the FSDP degree ({world}), so the per-row scales cannot be padded"
     return None
@@ -400,8 +419,10 @@ def _shared_with(module) -> str | None:
     model that builds the embedding before the output projection."""
     if module is None or getattr(module, "fp8_backend", None) is not None:
         return None
-    return (f"it is shared with a {type(module).__name__}, which is not an FP8 GEMM and reads its values "
-            f"(tied weights): it keeps its high-precision all-gather")
+    return (
+        f"it is shared with a {type(module).__name__}, which is not an FP8 GEMM and reads its values "
+        f"(tied weights): it keeps its high-precision all-gather"
+    )
 
 
 @functools.cache
@@ -439,7 +460,9 @@ def _stale_tensorwise_weights(first: Fp8AllGatherWeight) -> list[Fp8AllGatherWei
             continue
         weight = param._local_tensor
         if (
-            weight is first or not isinstance(weight, Fp8AllGatherWeight) or weight._plan.granularity != "tensorwise"
+            weight is first
+            or not isinstance(weight, Fp8AllGatherWeight)
+            or weight._plan.granularity != "tensorwise"
             or weight.amax_is_fresh()
         ):
             continue
@@ -454,10 +477,14 @@ def _stale_tensorwise_weights(first: Fp8AllGatherWeight) -> list[Fp8AllGatherWei
 def _all_reduce_amaxes(weights: list[Fp8AllGatherWeight], group) -> None:
     """Whole-weight amaxes of ``weights`` (shards across ``group``): one all-reduce for all."""
     # A rank's shard can be empty (more ranks than rows); 0 is neutral for the max.
-    local = torch.stack([
-        w._tensor.detach().abs().amax().to(torch.float32) if w._tensor.numel() else w._tensor.new_zeros((), dtype=torch.float32)
-        for w in weights
-    ])
+    local = torch.stack(
+        [
+            w._tensor.detach().abs().amax().to(torch.float32)
+            if w._tensor.numel()
+            else w._tensor.new_zeros((), dtype=torch.float32)
+            for w in weights
+        ]
+    )
     dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
     for weight, amax in zip(weights, local.unbind()):
         weight._set_amax(amax)
@@ -477,8 +504,10 @@ def precompute_fp8_weight_amaxes(params) -> int:
     for param in params:
         weight = _local(param)
         if (
-            isinstance(weight, Fp8AllGatherWeight) and weight._plan.granularity == "tensorwise"
-            and weight._group is not None and not weight.amax_is_fresh()
+            isinstance(weight, Fp8AllGatherWeight)
+            and weight._plan.granularity == "tensorwise"
+            and weight._group is not None
+            and not weight.amax_is_fresh()
         ):
             stale.setdefault(weight._group, []).append(weight)
     for group, weights in stale.items():
@@ -494,9 +523,16 @@ def _plain_state_dict(module, state_dict, prefix, local_metadata) -> None:
         local = _local(value)
         if isinstance(local, Fp8AllGatherWeight):
             state_dict[key] = (
-                DTensor.from_local(local._tensor, value.device_mesh, value.placements,
-                                   shape=value.shape, stride=value.stride(), run_check=False)
-                if isinstance(value, DTensor) else local._tensor
+                DTensor.from_local(
+                    local._tensor,
+                    value.device_mesh,
+                    value.placements,
+                    shape=value.shape,
+                    stride=value.stride(),
+                    run_check=False,
+                )
+                if isinstance(value, DTensor)
+                else local._tensor
             )
 
 

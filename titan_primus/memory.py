@@ -98,8 +98,9 @@ def recording_saved_tensors():
         yield saved
 
 
-def kept_for_backward(saved, weight_shapes, parameters=(), rows: int | None = None,
-                      widths: tuple[int, ...] = ()) -> dict[str, int]:
+def kept_for_backward(
+    saved, weight_shapes, parameters=(), rows: int | None = None, widths: tuple[int, ...] = ()
+) -> dict[str, int]:
     """Bytes per category (:data:`CATEGORIES`) of the storages the ``saved`` tensors hold now;
     storages freed since (FSDP2 reshards the unsharded parameters after each forward) hold
     nothing. ``weight_shapes``: the shapes of the layers' weights; ``parameters``: tensors whose
@@ -148,8 +149,9 @@ def _gathered(backend, recipe: Fp8Recipe, op: Op, weight: torch.Tensor):
     return backend.gathered_weight(data, scale, weight.dtype, recipe, weight.dtype), (data, scale)
 
 
-def audit_layer(backend, recipe: Fp8Recipe, shape: LayerShape, compiled: bool = False,
-                fp8_all_gather: bool = False) -> dict:
+def audit_layer(
+    backend, recipe: Fp8Recipe, shape: LayerShape, compiled: bool = False, fp8_all_gather: bool = False
+) -> dict:
     """One forward + backward of ``backend``'s ``shape.op`` with ``recipe``: the bytes kept from
     forward to backward per category, and whether the activation kept is the input itself.
     The weight is a bf16 parameter, or (``fp8_all_gather``) the FP8 weight FSDP2 gathers for it;
@@ -168,11 +170,14 @@ def audit_layer(backend, recipe: Fp8Recipe, shape: LayerShape, compiled: bool = 
     weight = torch.nn.Parameter(weight)
 
     if shape.op == "linear":
+
         def forward(x, weight):
             return backend.linear(x, weight, None, recipe)
     else:
+
         def forward(x, weight):
             return backend.grouped_mm(x, weight.transpose(-2, -1), offs, recipe)
+
     if compiled:
         torch._dynamo.reset()
         forward = torch.compile(forward, fullgraph=True)

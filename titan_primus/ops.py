@@ -85,12 +85,19 @@ _COMPILED_ROUTE_NAMES: dict[tuple, str] = {}
 def _as_constant(value):
     """A dataclass instance as (class, ((field, value), ...)), recursively; anything else as is."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return type(value), tuple((f.name, _as_constant(getattr(value, f.name))) for f in dataclasses.fields(value) if f.init)
+        return type(value), tuple(
+            (f.name, _as_constant(getattr(value, f.name))) for f in dataclasses.fields(value) if f.init
+        )
     return value
 
 
 def _from_constant(value):
-    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], type) and dataclasses.is_dataclass(value[0]):
+    if (
+        isinstance(value, tuple)
+        and len(value) == 2
+        and isinstance(value[0], type)
+        and dataclasses.is_dataclass(value[0])
+    ):
         cls, items = value
         return cls(**{name: _from_constant(v) for name, v in items})
     return value
@@ -122,8 +129,9 @@ def linear_compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
-def run_linear(backend, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Fp8Recipe,
-               shards=None) -> torch.Tensor:
+def run_linear(
+    backend, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Fp8Recipe, shards=None
+) -> torch.Tensor:
     """``x [..., K] @ weight.T + bias`` on ``backend`` under the dtype contract: the one function
     the public op and both TorchTitan adapters' linears call. ``x`` is cast to
     :func:`linear_compute_dtype`; the backend runs with autocast off, so it sees exactly the

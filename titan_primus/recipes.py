@@ -187,14 +187,22 @@ _MX = OperandCast("e4m3", "block", (1, 32))
 _MX_2D = OperandCast("e4m3", "block", (32, 32))
 
 _TORCHAO = {"pow2_scales": True}
-_PRIMUS = {"pow2_scales": False, "grouped_wgrad_per_group": False, "backward_from_fp8": True, "reciprocal_scales": True,
-           "sixteen_bit_gemms": True}
+_PRIMUS = {
+    "pow2_scales": False,
+    "grouped_wgrad_per_group": False,
+    "backward_from_fp8": True,
+    "reciprocal_scales": True,
+    "sixteen_bit_gemms": True,
+}
 
 # (recipe, definition) -> (output, grad_input, grad_weight casts), options
 _TABLE: dict[tuple[str, str], tuple[tuple[GemmCasts, GemmCasts, GemmCasts], dict]] = {
     # Its scales are not powers of two: dequantizing by the reciprocal, as torch._scaled_mm
     # applies them, makes the emulation bit-identical to TorchAO's real path.
-    ("tensorwise", "torchao"): (_gemms((_T4, _T4), (_T5, _T4), (_T5, _T4)), {"pow2_scales": False, "reciprocal_scales": True}),
+    ("tensorwise", "torchao"): (
+        _gemms((_T4, _T4), (_T5, _T4), (_T5, _T4)),
+        {"pow2_scales": False, "reciprocal_scales": True},
+    ),
     ("rowwise", "torchao"): (_gemms((_R4, _R4), (_R4, _R4), (_R4, _R4)), _TORCHAO),
     ("rowwise_with_gw_hp", "torchao"): (_gemms((_R4, _R4), (_R4, _T4), (_HP, _HP)), _TORCHAO),
     # Format.HYBRID: e4m3 for input and weight, e5m2 for grad_output.
@@ -202,7 +210,8 @@ _TABLE: dict[tuple[str, str], tuple[tuple[GemmCasts, GemmCasts, GemmCasts], dict
     ("rowwise", "primus_turbo"): (_gemms((_R4, _R4), (_R4, _R4), (_R4, _R4)), _PRIMUS),
     # MXFP8TrainingOpConfig / MXFP8Linear defaults: e4m3fn everywhere (grads too), RCEIL.
     ("mxfp8", "torchao"): (
-        _gemms((_MX, _MX), (_MX, _MX), (_MX, _MX)), {"pow2_scales": False, "block_scale": BlockScaleRule("e8m0", rounding="rceil")},
+        _gemms((_MX, _MX), (_MX, _MX), (_MX, _MX)),
+        {"pow2_scales": False, "block_scale": BlockScaleRule("e8m0", rounding="rceil")},
     ),
     # Float8BlockwiseLinear / _Float8BlockwiseGroupedMM: e4m3 everywhere, EPS 1e-12, float64.
     ("blockwise", "torchao"): (
@@ -213,7 +222,8 @@ _TABLE: dict[tuple[str, str], tuple[tuple[GemmCasts, GemmCasts, GemmCasts], dict
     # v0.4.0: weights in 32x32 blocks (ScalingRecipe(use_2d_block=True)), everything from the
     # high-precision tensors, "even" E8M0 rounding.
     ("mxfp8", "primus_turbo"): (
-        _gemms((_MX, _MX_2D), (_MX, _MX_2D), (_MX, _MX)), {"pow2_scales": False, "block_scale": BlockScaleRule("e8m0", rounding="even"), "sixteen_bit_gemms": True},
+        _gemms((_MX, _MX_2D), (_MX, _MX_2D), (_MX, _MX)),
+        {"pow2_scales": False, "block_scale": BlockScaleRule("e8m0", rounding="even"), "sixteen_bit_gemms": True},
     ),
     # Float8QuantConfig(format=E4M3, granularity=BLOCKWISE, block_size=128): Triton quantizers with
     # amax floored at 1e-4, float32 math; weights in 128x128 blocks, reused by dgrad.

@@ -42,9 +42,7 @@ def backends() -> dict[str, Fp8Backend]:
     for impl in reversed(pm.hook.titan_primus_register_backends.get_hookimpls()):
         for backend in impl.function():
             if not isinstance(backend, Fp8Backend):
-                raise TypeError(
-                    f"plugin {impl.plugin_name!r} returned {backend!r}, which is not an Fp8Backend"
-                )
+                raise TypeError(f"plugin {impl.plugin_name!r} returned {backend!r}, which is not an Fp8Backend")
             if backend.name in found:
                 raise ValueError(
                     f"backend name {backend.name!r} is registered by both {owner[backend.name]!r} "

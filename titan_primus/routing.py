@@ -83,7 +83,9 @@ def select_backend(
 
 
 @cache
-def _select(op: Op, recipe: str, device: DeviceProfile, requested: str, k, n, registry_generation: int) -> RoutingDecision:
+def _select(
+    op: Op, recipe: str, device: DeviceProfile, requested: str, k, n, registry_generation: int
+) -> RoutingDecision:
     # ``registry_generation`` keys the cache: a refreshed registry makes every decision anew.
     if requested != "auto":
         backend = get_backend(requested)
@@ -111,10 +113,14 @@ def _select(op: Op, recipe: str, device: DeviceProfile, requested: str, k, n, re
         if why_not is None:
             reason = "highest-ranked backend that runs it here" if passed_over else "preferred backend here"
             return RoutingDecision(
-                op, backend, backend.recipe_for(recipe, device), device, "auto", reason,
+                op,
+                backend,
+                backend.recipe_for(recipe, device),
+                device,
+                "auto",
+                reason,
                 tuple(passed_over) + not_here,
             )
         passed_over.append((backend.name, why_not))
     reasons = "; ".join(f"{name}: {why}" for name, why in (*passed_over, *not_here))
     raise BackendUnavailableError(f"no backend can run {op} with recipe {recipe!r} on {device.describe()}: {reasons}")
-

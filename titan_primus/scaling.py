@@ -14,8 +14,16 @@ import torch.distributed._functional_collectives as funcol
 
 from .recipes import Fp8Recipe, OperandCast
 
-__all__ = ["AMAX_EPS", "amax_to_scale", "scaled_cast", "quantize", "unscale", "dequantize", "fake_quantize",
-           "quantize_per_group"]
+__all__ = [
+    "AMAX_EPS",
+    "amax_to_scale",
+    "scaled_cast",
+    "quantize",
+    "unscale",
+    "dequantize",
+    "fake_quantize",
+    "quantize_per_group",
+]
 
 AMAX_EPS = 1e-12
 
@@ -64,8 +72,12 @@ def dequantize(data: torch.Tensor, scale: torch.Tensor, reciprocal: bool = False
 
 
 def fake_quantize(
-    x: torch.Tensor, cast: OperandCast, recipe: Fp8Recipe, contract_dim: int,
-    sharded_dim: int | None = None, group=None,
+    x: torch.Tensor,
+    cast: OperandCast,
+    recipe: Fp8Recipe,
+    contract_dim: int,
+    sharded_dim: int | None = None,
+    group=None,
 ) -> torch.Tensor:
     """``x`` as the GEMM sees it after the cast, in float32. ``contract_dim`` is the dimension of
     ``x`` the GEMM reduces over: rowwise scales take their amax over it. ``sharded_dim``: the

@@ -13,8 +13,12 @@ from __future__ import annotations
 
 import torch
 
-_QUANTIZERS = ("triton_fp8_rowwise_2d_scale_and_cast", "triton_fp8_colwise_3d_scale_and_cast",
-               "triton_fp8_rowwise_3d_transpose_rhs", "triton_fp8_per_group_colwise_scales_dual")
+_QUANTIZERS = (
+    "triton_fp8_rowwise_2d_scale_and_cast",
+    "triton_fp8_colwise_3d_scale_and_cast",
+    "triton_fp8_rowwise_3d_transpose_rhs",
+    "triton_fp8_per_group_colwise_scales_dual",
+)
 
 
 def _scales(amax: torch.Tensor, dtype: torch.dtype, pow2: bool) -> torch.Tensor:
@@ -49,8 +53,9 @@ def rowwise_3d_transpose_rhs(hp, output_dtype=torch.float8_e4m3fn, round_scales_
     return _cast(hp, scales, output_dtype).contiguous().transpose(-2, -1), scales.squeeze(-1)
 
 
-def per_group_colwise_scales_dual(hp_1, hp_2, offsets, output_dtype=torch.float8_e4m3fn,
-                                  round_scales_to_power_of_2=False):
+def per_group_colwise_scales_dual(
+    hp_1, hp_2, offsets, output_dtype=torch.float8_e4m3fn, round_scales_to_power_of_2=False
+):
     """Two [M, C] tensors, each column of each group of rows scaled alone -> for each, a
     column-major FP8 [M, C] and flat group-major scales [E * C]."""
     starts = [0, *offsets.tolist()[:-1]]
@@ -59,16 +64,20 @@ def per_group_colwise_scales_dual(hp_1, hp_2, offsets, output_dtype=torch.float8
         data = torch.zeros(hp.shape, dtype=output_dtype)
         scales = []
         for start, end in zip(starts, offsets.tolist()):
-            group_scales = _scales(hp[start:end].abs().amax(dim=0) if end > start else hp.new_zeros(hp.shape[1]),
-                                   output_dtype, round_scales_to_power_of_2)
+            group_scales = _scales(
+                hp[start:end].abs().amax(dim=0) if end > start else hp.new_zeros(hp.shape[1]),
+                output_dtype,
+                round_scales_to_power_of_2,
+            )
             data[start:end] = _cast(hp[start:end], group_scales, output_dtype)
             scales.append(group_scales)
         out += [_column_major(data), torch.cat(scales)]
     return tuple(out)
 
 
-def scaled_grouped_mm(mat_a, mat_b, scale_a, scale_b, offs=None, bias=None, scale_result=None,
-                      out_dtype=None, use_fast_accum=False):
+def scaled_grouped_mm(
+    mat_a, mat_b, scale_a, scale_b, offs=None, bias=None, scale_result=None, out_dtype=None, use_fast_accum=False
+):
     """``torch._scaled_grouped_mm`` with reciprocal scales: 2-D x 3-D (groups of rows of
     ``mat_a``) or 2-D x 2-D (groups along the contraction, one [N, K] output per group)."""
     assert mat_a.stride(-1) == 1, f"mat_a must be row-major, strides {mat_a.stride()}"
@@ -82,10 +91,14 @@ def scaled_grouped_mm(mat_a, mat_b, scale_a, scale_b, offs=None, bias=None, scal
             out[start:end] = (a[start:end] @ (mat_b[g].float() * scale_b[g].reshape(1, -1))).to(out_dtype)
         return out
     scale_a, scale_b = scale_a.reshape(len(groups), -1), scale_b.reshape(len(groups), -1)
-    return torch.stack([
-        ((mat_a[:, start:end].float() * scale_a[g].reshape(-1, 1)) @ (mat_b[start:end].float() * scale_b[g])).to(out_dtype)
-        for g, (start, end) in enumerate(groups)
-    ])
+    return torch.stack(
+        [
+            ((mat_a[:, start:end].float() * scale_a[g].reshape(-1, 1)) @ (mat_b[start:end].float() * scale_b[g])).to(
+                out_dtype
+            )
+            for g, (start, end) in enumerate(groups)
+        ]
+    )
 
 
 def install(monkeypatch) -> dict[str, list[torch.Tensor]]:
@@ -95,8 +108,12 @@ def install(monkeypatch) -> dict[str, list[torch.Tensor]]:
     import torchao.prototype.moe_training.fp8_grouped_mm as fp8_grouped_mm
 
     received = {name: [] for name in _QUANTIZERS}
-    stand_ins = (rowwise_2d_scale_and_cast, colwise_3d_scale_and_cast, rowwise_3d_transpose_rhs,
-                 per_group_colwise_scales_dual)
+    stand_ins = (
+        rowwise_2d_scale_and_cast,
+        colwise_3d_scale_and_cast,
+        rowwise_3d_transpose_rhs,
+        per_group_colwise_scales_dual,
+    )
     for name, stand_in in zip(_QUANTIZERS, stand_ins):
         assert hasattr(fp8_grouped_mm, name), f"TorchAO's fp8_grouped_mm no longer calls {name}"
 

@@ -31,7 +31,9 @@ TURBO, _ = loader.from_environment()
 # run on both.
 ONE_ARCH = {"v0.3.1": "gfx942", "v0.3.2.dev48": "gfx950", "v0.4.0": "gfx942", "v0.4.1.dev26": "gfx950"}
 one_arch = pytest.mark.skipif(
-    ONE_ARCH.get(BUILD) != ARCH, reason=f"runs on {ONE_ARCH.get(BUILD)} for build {BUILD} (costly; each build runs it on one arch)")
+    ONE_ARCH.get(BUILD) != ARCH,
+    reason=f"runs on {ONE_ARCH.get(BUILD)} for build {BUILD} (costly; each build runs it on one arch)",
+)
 
 
 pytest_report_header = loader.report_header

@@ -26,9 +26,14 @@ import triton.language as tl
 from triton.runtime import autotuner, interpreter
 
 _TORCH_OF = {
-    "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp64": torch.float64,
-    "fp8e4nv": torch.float8_e4m3fn, "fp8e5": torch.float8_e5m2,
-    "fp8e4b8": torch.float8_e4m3fnuz, "fp8e5b16": torch.float8_e5m2fnuz,
+    "fp32": torch.float32,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+    "fp64": torch.float64,
+    "fp8e4nv": torch.float8_e4m3fn,
+    "fp8e5": torch.float8_e5m2,
+    "fp8e4b8": torch.float8_e4m3fnuz,
+    "fp8e5b16": torch.float8_e5m2fnuz,
 }
 _BITS = {8: np.uint8, 16: np.uint16, 32: np.uint32, 64: np.uint64}
 _TORCH_BITS = {8: torch.uint8, 16: torch.int16, 32: torch.int32, 64: torch.int64}
@@ -95,8 +100,14 @@ def install() -> None:
     if builder.cast_impl is _cast:
         return
     builder.cast_impl = _cast
-    for name in ("create_fp_ext", "create_fp_trunc", "create_si_to_fp", "create_ui_to_fp", "create_fp_to_si",
-                 "create_fp_to_ui"):
+    for name in (
+        "create_fp_ext",
+        "create_fp_trunc",
+        "create_si_to_fp",
+        "create_ui_to_fp",
+        "create_fp_to_si",
+        "create_fp_to_ui",
+    ):
         setattr(builder, name, lambda self, src, dst_type: self.cast_impl(src, dst_type))
     builder.create_fp_to_fp = _fp_to_fp
     builder.create_dot = _dot

@@ -81,8 +81,13 @@ class _InertFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 def _fake_device(arch: str) -> None:
     major, minor, name = ARCHS[arch]
     props = types.SimpleNamespace(
-        major=major, minor=minor, name=name, gcnArchName=f"{arch}:sramecc+:xnack-",
-        multi_processor_count=COMPUTE_UNITS, total_memory=192 * 2**30, warp_size=64,
+        major=major,
+        minor=minor,
+        name=name,
+        gcnArchName=f"{arch}:sramecc+:xnack-",
+        multi_processor_count=COMPUTE_UNITS,
+        total_memory=192 * 2**30,
+        warp_size=64,
     )
     torch.cuda.get_device_properties = lambda device=None: props
     torch.cuda.current_device = lambda: 0
@@ -128,8 +133,10 @@ def from_environment():
     if arch not in ARCHS:
         return None, f"TITAN_PRIMUS_TURBO_ARCH={arch!r}: choose one of {', '.join(ARCHS)}"
     if not (sources / build / "primus_turbo").is_dir():
-        return None, (f"Primus-Turbo {build} sources not found at {sources / build} "
-                      f"(set TITAN_PRIMUS_TURBO_SOURCES to the folder holding the builds)")
+        return None, (
+            f"Primus-Turbo {build} sources not found at {sources / build} "
+            f"(set TITAN_PRIMUS_TURBO_SOURCES to the folder holding the builds)"
+        )
     return load(sources / build, arch), None
 
 

@@ -39,8 +39,10 @@ def main():
     import real_turbo.test_compile_and_memory as memory
 
     memory.OFFS = GROUP_ENDS
-    print(f"Primus-Turbo {BUILD} on {ARCH}: bytes kept from forward to backward besides the weight itself "
-          f"(weight-sized copies / activations, scales, offsets): Primus-Turbo's public op | titan-primus eager | compiled")
+    print(
+        f"Primus-Turbo {BUILD} on {ARCH}: bytes kept from forward to backward besides the weight itself "
+        f"(weight-sized copies / activations, scales, offsets): Primus-Turbo's public op | titan-primus eager | compiled"
+    )
     for op, inputs in (("linear", LINEAR), ("grouped_mm", GROUPED)):
         for recipe in ("tensorwise", "rowwise", "blockwise"):
             decision = tp.select_backend(op, recipe, ARCH, "primus_turbo", k=1024, n=2048)

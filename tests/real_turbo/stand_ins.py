@@ -41,8 +41,10 @@ _FP8 = (torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2, torch.flo
 _SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 _BLOCK = 128
 
-_HIPBLASLT_FP8 = ("(Tensor A, Tensor scaleA_inv, Tensor B, Tensor scaleB_inv, ScalarType out_dtype, "
-                  "bool transA, bool transB, bool transC, str granularity")
+_HIPBLASLT_FP8 = (
+    "(Tensor A, Tensor scaleA_inv, Tensor B, Tensor scaleB_inv, ScalarType out_dtype, "
+    "bool transA, bool transB, bool transC, str granularity"
+)
 SCHEMAS = {
     "quantize_fp8_tensorwise": "(Tensor input, ScalarType dest_dtype, Tensor? scale_opt=None) -> Tensor[]",
     "quantize_fp8_rowwise": "(Tensor input, ScalarType dest_dtype, int axis, Tensor? scale_opt=None) -> Tensor[]",
@@ -50,8 +52,10 @@ SCHEMAS = {
     "dequantize_fp8_rowwise": "(Tensor input, Tensor scale_inv, int axis, ScalarType dest_dtype) -> Tensor",
     "grouped_gemm_compute_offs": "(Tensor group_lens) -> Tensor",
     "hipblaslt_gemm_fp8": _HIPBLASLT_FP8 + ") -> Tensor",
-    "ck_gemm_fp8": ("(Tensor a, Tensor b, Tensor a_scales, Tensor b_scales, bool transA, bool transB, "
-                    "ScalarType out_dtype, str granularity) -> Tensor"),
+    "ck_gemm_fp8": (
+        "(Tensor a, Tensor b, Tensor a_scales, Tensor b_scales, bool transA, bool transB, "
+        "ScalarType out_dtype, str granularity) -> Tensor"
+    ),
 }
 SCHEMAS_FROM = {  # build -> schema changes from that build on
     "v0.3.2.dev48": {"transpose_2d": "(Tensor input, int dim0, int dim1) -> Tensor"},
@@ -122,8 +126,9 @@ def _scaled_product(A, B, sa, sb) -> torch.Tensor:
     return (A.float() @ B.float()) * sa * sb
 
 
-def hipblaslt_gemm_fp8(A, scaleA_inv, B, scaleB_inv, out_dtype, transA, transB, transC, granularity,
-                       beta=0.0, out=None):
+def hipblaslt_gemm_fp8(
+    A, scaleA_inv, B, scaleB_inv, out_dtype, transA, transB, transC, granularity, beta=0.0, out=None
+):
     _check(A.dtype in _FP8 and B.dtype in _FP8, "A and B must be FP8 Tensor.")
     _check(granularity == "TENSORWISE", f"granularity {granularity}: only TENSORWISE is stood in for")
     _check(scaleA_inv.dtype == torch.float32 and scaleB_inv.dtype == torch.float32, "fp32 scale inverses")
@@ -158,14 +163,17 @@ def _block_product(A, B, sa, sb) -> torch.Tensor:
     out = torch.zeros(A.shape[0], B.shape[1])
     for c in range(sa.shape[1]):
         block = slice(c * _BLOCK, (c + 1) * _BLOCK)
-        out += (A[:, block].float() @ B[block].float()) * sa[:, c:c + 1] * sb[:, c]
+        out += (A[:, block].float() @ B[block].float()) * sa[:, c : c + 1] * sb[:, c]
     return out
 
 
 def ck_gemm_fp8(a, b, a_scales, b_scales, transA, transB, out_dtype, granularity):
     _check(a.dtype in _FP8 and b.dtype in _FP8, "is_8bit_floating_point_dtype(a, b)")
     _check(out_dtype in _SIXTEEN_BIT, "out_dtype must be kBFloat16 or kHalf")
-    _check(granularity in ("TENSORWISE", "ROWWISE", "BLOCKWISE"), "granularity must be 'TENSORWISE', 'ROWWISE', or 'BLOCKWISE'")
+    _check(
+        granularity in ("TENSORWISE", "ROWWISE", "BLOCKWISE"),
+        "granularity must be 'TENSORWISE', 'ROWWISE', or 'BLOCKWISE'",
+    )
     OA, OB = _logical(a, transA), _logical(b, transB)
     k, n = OA.shape[1], OB.shape[1]
     if not transA:
@@ -173,7 +181,9 @@ def ck_gemm_fp8(a, b, a_scales, b_scales, transA, transB, out_dtype, granularity
     if granularity != "BLOCKWISE":
         return _scaled_product(OA, OB, a_scales.contiguous(), b_scales.contiguous()).to(out_dtype)
     if not transA:
-        _check(k % 128 == 0 and n % 128 == 0 and k >= 128, "For BLOCKWISE granularity, k and n must be multiples of 128")
+        _check(
+            k % 128 == 0 and n % 128 == 0 and k >= 128, "For BLOCKWISE granularity, k and n must be multiples of 128"
+        )
     # a_scales [rows of op(a) or their 128-blocks, k-blocks]; b_scales [columns of op(b) or their
     # 128-blocks, k-blocks], after the transposes ck_gemm.cpp applies for BLOCKWISE.
     a_scales = a_scales.t() if transA else a_scales
@@ -200,8 +210,11 @@ _METAS = {
     "grouped_gemm_compute_offs": lambda group_lens: group_lens.new_empty(group_lens.shape[0] + 1, dtype=torch.int64),
     "transpose_2d": lambda input, dim0, dim1: input.transpose(dim0, dim1).contiguous(),
     "hipblaslt_gemm_fp8": lambda A, sA, B, sB, out_dtype, transA, transB, transC, granularity, beta=0.0, out=None: (
-        out if out is not None else _gemm_meta(A, B, transA, transB, transC, out_dtype)),
-    "ck_gemm_fp8": lambda a, b, sa, sb, transA, transB, out_dtype, granularity: _gemm_meta(a, b, transA, transB, False, out_dtype),
+        out if out is not None else _gemm_meta(A, B, transA, transB, transC, out_dtype)
+    ),
+    "ck_gemm_fp8": lambda a, b, sa, sb, transA, transB, out_dtype, granularity: _gemm_meta(
+        a, b, transA, transB, False, out_dtype
+    ),
 }
 _LIBRARIES: list = []  # a Library unregisters its ops when collected
 

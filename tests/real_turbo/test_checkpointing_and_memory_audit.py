@@ -50,7 +50,9 @@ def _count(fn, ops, compiled):
     return result, calls[0]
 
 
-@pytest.mark.parametrize("model, compiled", [("llama3", True), ("deepseek_v3", False)], ids=["llama3-compiled", "deepseek_v3-eager"])
+@pytest.mark.parametrize(
+    "model, compiled", [("llama3", True), ("deepseek_v3", False)], ids=["llama3-compiled", "deepseek_v3-eager"]
+)
 def test_selective_ac_runs_three_fp8_gemms_per_op(model, compiled):
     """Without activation checkpointing and with Fp8SelectiveAC: 3 FP8 GEMMs per op per step."""
     ops = tp.registry.get_backend("primus_turbo").fp8_gemm_ops()
@@ -78,8 +80,10 @@ def test_primus_turbo_keeps_its_activations_in_fp8(recipe):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.skipif((BUILD, ARCH) != ("v0.4.0", "gfx942"), reason="one build and arch only (minutes under the "
-                    "interpreter); the one-process audit above runs everywhere")
+@pytest.mark.skipif(
+    (BUILD, ARCH) != ("v0.4.0", "gfx942"),
+    reason="one build and arch only (minutes under the interpreter); the one-process audit above runs everywhere",
+)
 def test_memory_under_fsdp2():
     from test_distributed import torchrun_script
 

@@ -43,7 +43,9 @@ def _inputs(op):
 DISPATCHERS = {  # module -> the dispatcher classes its GEMM custom ops run through
     "primus_turbo.pytorch.kernels.gemm.gemm_fp8_impl": ("GEMMFP8KernelDispatcher",),
     "primus_turbo.pytorch.kernels.grouped_gemm.grouped_gemm_fp8_impl": (
-        "GroupedGEMMFP8KernelDispatcher", "GroupedGEMMFP8VariableKKernelDispatcher"),
+        "GroupedGEMMFP8KernelDispatcher",
+        "GroupedGEMMFP8VariableKKernelDispatcher",
+    ),
 }
 
 
@@ -100,7 +102,8 @@ class SavedTensors:
         """Bytes of saved tensors as large as ``weight`` (in elements) that are not its storage."""
         storage = weight.untyped_storage().data_ptr()
         return sum(
-            t.numel() * t.element_size() for t in self.saved
+            t.numel() * t.element_size()
+            for t in self.saved
             if t.numel() >= weight.numel() and t.untyped_storage().data_ptr() != storage
         )
 
@@ -112,8 +115,9 @@ def _turbo_own(op, recipe):
     if op == "linear":
         return lambda x, w: TURBO.ops.gemm_fp8(x, w, trans_b=True, out_dtype=torch.bfloat16, config=_config(recipe))
     lens = group_lens(OFFS).as_subclass(CudaLooking)
-    return lambda A, W: TURBO.ops.grouped_gemm_fp8(A, W, lens, group_offs=group_offsets(OFFS), trans_b=True,
-                                                   out_dtype=torch.bfloat16, config=_config(recipe))
+    return lambda A, W: TURBO.ops.grouped_gemm_fp8(
+        A, W, lens, group_offs=group_offsets(OFFS), trans_b=True, out_dtype=torch.bfloat16, config=_config(recipe)
+    )
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

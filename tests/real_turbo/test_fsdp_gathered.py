@@ -75,8 +75,11 @@ def test_where_primus_turbo_takes_the_fp8_gathered_weight(recipe, fp8):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.skipif((BUILD, ARCH) != ("v0.4.1.dev26", "gfx950"), reason="the newest build on one arch only (minutes "
-                    "under the interpreter); the one-process tests above cover the gathered weight everywhere")
+@pytest.mark.skipif(
+    (BUILD, ARCH) != ("v0.4.1.dev26", "gfx950"),
+    reason="the newest build on one arch only (minutes "
+    "under the interpreter); the one-process tests above cover the gathered weight everywhere",
+)
 def test_two_rank_fsdp2_fp8_all_gather_changes_no_bit():
     """2 FSDP2 ranks (gloo), the MoE debug model on Primus-Turbo, rowwise, an AdamW step: loss,
     gradients and updated weights bitwise equal with FP8 and bf16 all-gather of every FP8 weight."""

@@ -33,7 +33,11 @@ def test_converted_moe_model_trains_a_step_like_the_emulation():
     converter = Float8Converter.Config(device=ARCH, recipe="rowwise").build()
     config = converter.convert(model_config("deepseek_v3"))
     assert {d.backend_name for d in converter.report.decisions.values()} == {"primus_turbo"}, converter.report.summary()
-    emulated = Float8Converter.Config(device=ARCH, recipe="rowwise", backend="emulated").build().convert(model_config("deepseek_v3"))
+    emulated = (
+        Float8Converter.Config(device=ARCH, recipe="rowwise", backend="emulated")
+        .build()
+        .convert(model_config("deepseek_v3"))
+    )
     tokens = torch.randint(0, 2048, (2, 32), generator=torch.Generator().manual_seed(0))
 
     turbo = _step(build(config, seed=0), tokens)

@@ -19,7 +19,9 @@ def test_converter_routes_linears_and_experts_to_primus_turbo():
     converter = Float8Converter.Config(device=ARCH).build()
     config = converter.convert(model_config("deepseek_v3"))
     assert {op: d.backend_name for op, d in converter.report.decisions.items()} == {
-        "linear": "primus_turbo", "grouped_mm": "primus_turbo"}
+        "linear": "primus_turbo",
+        "grouped_mm": "primus_turbo",
+    }
     assert converter.report.decisions["linear"].recipe.definition == "primus_turbo"
     assert "-> primus_turbo" in converter.report.summary()
     # rowwise_with_gw_hp has no Primus-Turbo equivalent: it falls back, saying why.
@@ -61,9 +63,13 @@ def test_linear_dtypes_follow_nn_linear(recipe):
     gradients in the inputs' dtypes."""
     for x_dtype in (torch.float32, torch.float16, torch.bfloat16):
         for autocast_dtype in (None, torch.bfloat16, torch.float16):
-            x, w, b = (t.clone().requires_grad_() for t in (torch.randn(32, 256, dtype=x_dtype),
-                                                             torch.randn(256, 256) * 0.1, torch.randn(256)))
-            context = torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype else torch.autocast("cpu", enabled=False)
+            x, w, b = (
+                t.clone().requires_grad_()
+                for t in (torch.randn(32, 256, dtype=x_dtype), torch.randn(256, 256) * 0.1, torch.randn(256))
+            )
+            context = (
+                torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype else torch.autocast("cpu", enabled=False)
+            )
             with context:
                 expected = F.linear(x.detach(), w.detach().to(x_dtype), b.detach().to(x_dtype)).dtype
                 out = tp.fp8_linear(x, w, b, recipe=recipe, backend="primus_turbo", device=ARCH)
@@ -113,11 +119,21 @@ def test_parity_command_checks_primus_turbo_against_the_emulation(tmp_path, monk
 
     from titan_primus.cli import main, parity
 
-    monkeypatch.setattr(parity, "QUICK_CASES", (
-        parity.LinearCase(name="m255", m=255, k=256, n=256, why="M not a multiple of 16"),
-        parity.GroupedCase(name="empty_groups_trailing_rows", counts=(9, 0, 21, 6), trailing=5, k=256, n=256,
-                           why="an empty group and rows past offs[-1]"),
-    ))
+    monkeypatch.setattr(
+        parity,
+        "QUICK_CASES",
+        (
+            parity.LinearCase(name="m255", m=255, k=256, n=256, why="M not a multiple of 16"),
+            parity.GroupedCase(
+                name="empty_groups_trailing_rows",
+                counts=(9, 0, 21, 6),
+                trailing=5,
+                k=256,
+                n=256,
+                why="an empty group and rows past offs[-1]",
+            ),
+        ),
+    )
     path = tmp_path / "parity.json"
     assert main(["parity", "--quick", "--device", ARCH, "--require", "primus_turbo", "--json", str(path)]) == 0
     rows = [r for r in json.loads(path.read_text())["results"] if r["backend"] == "primus_turbo"]

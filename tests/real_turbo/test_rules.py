@@ -32,7 +32,9 @@ def _refusal(op, recipe, k, n) -> str:
 
 def _turbo_linear(recipe, x, w):
     out_dtype = x.dtype if x.dtype != torch.float32 else torch.bfloat16
-    return _grads(lambda a, b: TURBO.ops.gemm_fp8(a, b, trans_b=True, out_dtype=out_dtype, config=_config(recipe)), x, w)
+    return _grads(
+        lambda a, b: TURBO.ops.gemm_fp8(a, b, trans_b=True, out_dtype=out_dtype, config=_config(recipe)), x, w
+    )
 
 
 def _ours_linear(recipe, x, w):
@@ -46,7 +48,12 @@ def _finite(*tensors):
 
 def test_release_is_detected_from_signatures():
     api = load_api()
-    expected = {"v0.3.1": "v0.3.1", "v0.3.2.dev48": "v0.3.2.dev48", "v0.4.0": "v0.3.2.dev48", "v0.4.1.dev26": "v0.3.2.dev48"}
+    expected = {
+        "v0.3.1": "v0.3.1",
+        "v0.3.2.dev48": "v0.3.2.dev48",
+        "v0.4.0": "v0.3.2.dev48",
+        "v0.4.1.dev26": "v0.3.2.dev48",
+    }
     assert api.surface == expected[BUILD]
     assert api.version == BUILD.removeprefix("v")
     assert api.float8_e4m3 == (torch.float8_e4m3fnuz if ARCH == "gfx942" else torch.float8_e4m3fn)
@@ -75,7 +82,9 @@ def test_dense_contraction_k_at_the_edge():
     assert _finite(*_ours_linear("rowwise", torch.randn(256, 256, dtype=torch.bfloat16), w))
     assert "loop_k > 1" in _refusal("linear", "rowwise", 240, 256)
     with pytest.raises(ASSUME_FAILED, match="Assume failed"):
-        _turbo_linear("rowwise", torch.randn(256, 240, dtype=torch.bfloat16), torch.randn(256, 240, dtype=torch.bfloat16))
+        _turbo_linear(
+            "rowwise", torch.randn(256, 240, dtype=torch.bfloat16), torch.randn(256, 240, dtype=torch.bfloat16)
+        )
 
 
 @pytest.mark.skipif(not TRITON_DENSE, reason="v0.3.1 runs rowwise dense GEMMs on CK")
@@ -124,10 +133,16 @@ def test_primus_turbos_own_op_fails_on_few_tokens():
 @pytest.mark.skipif(TRITON_DENSE, reason="CK runs rowwise dense GEMMs at v0.3.1 only")
 def test_ck_alignment_at_the_edge():
     assert _route("linear", "rowwise", 288, 256).backend_name == "primus_turbo"
-    assert _finite(*_ours_linear("rowwise", torch.randn(64, 288, dtype=torch.bfloat16), torch.randn(256, 288, dtype=torch.bfloat16)))
+    assert _finite(
+        *_ours_linear(
+            "rowwise", torch.randn(64, 288, dtype=torch.bfloat16), torch.randn(256, 288, dtype=torch.bfloat16)
+        )
+    )
     assert "divisible by 32" in _refusal("linear", "rowwise", 272, 256)
     with pytest.raises(Exception, match="multiple of 32"):
-        _turbo_linear("rowwise", torch.randn(64, 272, dtype=torch.bfloat16), torch.randn(256, 272, dtype=torch.bfloat16))
+        _turbo_linear(
+            "rowwise", torch.randn(64, 272, dtype=torch.bfloat16), torch.randn(256, 272, dtype=torch.bfloat16)
+        )
 
 
 # ---- grouped Triton GEMMs: tl.assume(loop_k > 1) over K and N ------------------------------------------
@@ -136,8 +151,13 @@ def test_ck_alignment_at_the_edge():
 def _turbo_grouped(recipe, A, W, counts):
     offs = torch.tensor(counts).cumsum(0).to(torch.int32)
     lens = group_lens(offs).as_subclass(CudaLooking)
-    return _grads(lambda a, w: TURBO.ops.grouped_gemm_fp8(
-        a, w, lens, group_offs=group_offsets(offs), trans_b=True, out_dtype=torch.bfloat16, config=_config(recipe)), A, W)
+    return _grads(
+        lambda a, w: TURBO.ops.grouped_gemm_fp8(
+            a, w, lens, group_offs=group_offsets(offs), trans_b=True, out_dtype=torch.bfloat16, config=_config(recipe)
+        ),
+        A,
+        W,
+    )
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
@@ -153,7 +173,12 @@ def test_grouped_contraction_at_the_edge(recipe):
     for k, n in ((small, 256), (256, small)):
         assert "loop_k > 1" in _refusal("grouped_mm", recipe, k, n)
     with pytest.raises(ASSUME_FAILED, match="Assume failed"):  # K (forward)
-        _turbo_grouped(recipe, torch.randn(64, small, dtype=torch.bfloat16), torch.randn(3, 256, small, dtype=torch.bfloat16), counts)
+        _turbo_grouped(
+            recipe,
+            torch.randn(64, small, dtype=torch.bfloat16),
+            torch.randn(3, 256, small, dtype=torch.bfloat16),
+            counts,
+        )
 
 
 # ---- 16-bit output, fp32 activations, rows past the groups -----------------------------------------------
@@ -182,6 +207,8 @@ def test_rows_past_the_groups(recipe):
     decision = _route("grouped_mm", recipe, 256, 256)
     offs = torch.tensor([30, 40], dtype=torch.int32)
     A, W = torch.randn(64, 256, dtype=torch.bfloat16), torch.randn(2, 256, 256, dtype=torch.bfloat16)
-    out, grad_A, grad_W = _grads(lambda a, w: decision.backend.grouped_mm(a, w.transpose(-2, -1), offs, decision.recipe), A, W)
+    out, grad_A, grad_W = _grads(
+        lambda a, w: decision.backend.grouped_mm(a, w.transpose(-2, -1), offs, decision.recipe), A, W
+    )
     assert _finite(out, grad_A, grad_W)
     assert (out[40:] == 0).all() and (grad_A[40:] == 0).all()

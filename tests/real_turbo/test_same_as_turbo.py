@@ -54,7 +54,9 @@ def test_linear_is_primus_turbos_own(recipe, dtype, device):
     ours = _grads(lambda a, b: backend.linear(a, b, None, fp8), x, w)
     config = _config(recipe)
     out_dtype = dtype if dtype != torch.float32 else torch.bfloat16
-    theirs = _grads(lambda a, b: TURBO.ops.gemm_fp8(a, b, trans_b=True, out_dtype=out_dtype, config=config).to(dtype), x, w)
+    theirs = _grads(
+        lambda a, b: TURBO.ops.gemm_fp8(a, b, trans_b=True, out_dtype=out_dtype, config=config).to(dtype), x, w
+    )
     _assert_bitwise(ours, theirs)
 
 
@@ -68,6 +70,11 @@ def test_grouped_is_primus_turbos_own(recipe, device):
     fp8 = tp.make_recipe(recipe, "primus_turbo", device)
     ours = _grads(lambda a, w: backend.grouped_mm(a, w.transpose(-2, -1), offs, fp8), A, W)
     lens = group_lens(offs).as_subclass(CudaLooking)
-    theirs = _grads(lambda a, w: TURBO.ops.grouped_gemm_fp8(
-        a, w, lens, group_offs=group_offsets(offs), trans_b=True, out_dtype=torch.bfloat16, config=_config(recipe)), A, W)
+    theirs = _grads(
+        lambda a, w: TURBO.ops.grouped_gemm_fp8(
+            a, w, lens, group_offs=group_offsets(offs), trans_b=True, out_dtype=torch.bfloat16, config=_config(recipe)
+        ),
+        A,
+        W,
+    )
     _assert_bitwise(ours, theirs)

@@ -17,7 +17,10 @@ ARCH = os.environ.get("TITAN_PRIMUS_TURBO_ARCH", "gfx942")  # the harness: conft
 def test_routing_on_mi300_with_primus_turbo():
     model = meta_model("deepseek_v3")
     report = convert(model, device=ARCH).report
-    assert {op: d.backend_name for op, d in report.decisions.items()} == {"linear": "primus_turbo", "grouped_mm": "primus_turbo"}
+    assert {op: d.backend_name for op, d in report.decisions.items()} == {
+        "linear": "primus_turbo",
+        "grouped_mm": "primus_turbo",
+    }
     assert report.decisions["linear"].recipe.definition == "primus_turbo"
     # Primus-Turbo takes ragged token groups: TorchTitan's alignment and the experts are left alone.
     assert moe_utils.TOKEN_GROUP_ALIGN_SIZE_M == 8

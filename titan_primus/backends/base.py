@@ -88,16 +88,18 @@ class Fp8Backend(ABC):
 
     @abstractmethod
     def linear(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Fp8Recipe,
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        recipe: Fp8Recipe,
         shards: TensorParallelShards | None = None,
     ) -> torch.Tensor:
         """``x @ weight.T + bias`` for 2-D ``x`` [M, K] and ``weight`` [N, K], with autograd.
         ``shards`` is given only to backends with ``tensor_parallel_scales``."""
 
     @abstractmethod
-    def grouped_mm(
-        self, A: torch.Tensor, B_t: torch.Tensor, offs: torch.Tensor, recipe: Fp8Recipe
-    ) -> torch.Tensor:
+    def grouped_mm(self, A: torch.Tensor, B_t: torch.Tensor, offs: torch.Tensor, recipe: Fp8Recipe) -> torch.Tensor:
         """TorchTitan's ``GroupedExperts._grouped_mm`` contract, with autograd: A [R, K],
         B_t [E, K, N], offs int32 cumulative end offsets [E]; rows past offs[-1] are zero."""
 
@@ -127,7 +129,11 @@ class Fp8Backend(ABC):
         return Verdict.no(f"the {self.name} backend cannot take a pre-quantized weight yet")
 
     def gathered_weight(
-        self, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, recipe: Fp8Recipe,
+        self,
+        data: torch.Tensor,
+        scale: torch.Tensor,
+        dtype: torch.dtype,
+        recipe: Fp8Recipe,
         source_dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
         """The unsharded weight the op receives, from the gathered FP8 ``data`` ([N, K], or

@@ -84,11 +84,14 @@ class _EmulatedLinear(torch.autograd.Function):
         # (sharded dim, group) of x, weight and grad_output; () without tensor parallelism.
         ctx.x_shard, ctx.w_shard, ctx.g_shard = (
             [(d, shards.group) for d in (shards.input_dim, shards.weight_dim, shards.grad_output_dim)]
-            if shards else [(), (), ()]
+            if shards
+            else [(), (), ()]
         )
         casts = recipe.output
         x_q = fake_quantize(x, casts.a, recipe, 1, *ctx.x_shard)
-        out = _gemm_result(emulated_fp8_mm(x_q, _cast(weight, casts.b, recipe, 1, *ctx.w_shard).t()), casts, recipe, x.dtype)
+        out = _gemm_result(
+            emulated_fp8_mm(x_q, _cast(weight, casts.b, recipe, 1, *ctx.w_shard).t()), casts, recipe, x.dtype
+        )
         # Bias is added in the output's dtype, after the GEMM, as TorchAO's Float8Linear does.
         return out if bias is None else out + bias.to(x.dtype)
 
@@ -113,7 +116,9 @@ class _EmulatedLinear(torch.autograd.Function):
             grad_x = _gemm_result(grad_x, c, recipe, x.dtype)
         if ctx.needs_input_grad[1]:
             c = recipe.grad_weight  # [N, M] @ [M, K]: contract over M
-            grad_w = emulated_fp8_mm(fake_quantize(grad_gemm, c.a, recipe, 0, *gs).t(), fake_quantize(x, c.b, recipe, 0, *xs))
+            grad_w = emulated_fp8_mm(
+                fake_quantize(grad_gemm, c.a, recipe, 0, *gs).t(), fake_quantize(x, c.b, recipe, 0, *xs)
+            )
             grad_w = _gemm_result(grad_w, c, recipe, x.dtype).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad_out.to(torch.float32).sum(0).to(grad_out.dtype)
@@ -233,7 +238,9 @@ class EmulatedBackend(Fp8Backend):
             )
         return Verdict.yes("pure PyTorch: runs on every device")
 
-    def supports(self, op: Op, recipe: str, device: DeviceProfile, k: int | None = None, n: int | None = None) -> Verdict:
+    def supports(
+        self, op: Op, recipe: str, device: DeviceProfile, k: int | None = None, n: int | None = None
+    ) -> Verdict:
         return Verdict.yes("every op, recipe and shape")
 
     def recipe_for(self, recipe: str, device: DeviceProfile) -> Fp8Recipe:

@@ -67,6 +67,7 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     """``t``, or a copy laid out with every non-unit stride a multiple of 16 bytes (what
     torch._grouped_mm asks; inductor lays operands out as it likes): its last two dims
     row-major, else column-major. The callers pad one of them to alignment."""
+
     def aligned(u):
         return all(stride * u.element_size() % 16 == 0 for stride in u.stride() if stride != 1)
 
@@ -83,5 +84,7 @@ def _(a, b, offs):
     return a.new_empty((offs.shape[0], a.shape[0], b.shape[1]))
 
 
-GEMM_OPS = frozenset({torch.ops.titan_primus.emulated_fp8_mm.default, torch.ops.titan_primus.emulated_fp8_grouped_mm.default})
+GEMM_OPS = frozenset(
+    {torch.ops.titan_primus.emulated_fp8_mm.default, torch.ops.titan_primus.emulated_fp8_grouped_mm.default}
+)
 """Every GEMM the emulated backend runs, forward and backward, on every recipe."""

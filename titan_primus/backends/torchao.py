@@ -125,7 +125,9 @@ class TorchAOBackend(Fp8Backend):
             )
         return Verdict.yes(f"TorchAO FP8 kernels on {device.arch}")
 
-    def supports(self, op: Op, recipe: str, device: DeviceProfile, k: int | None = None, n: int | None = None) -> Verdict:
+    def supports(
+        self, op: Op, recipe: str, device: DeviceProfile, k: int | None = None, n: int | None = None
+    ) -> Verdict:
         if recipe in _BLOCK:
             return self._supports_blocked(op, recipe, device, k, n)
         if op == "grouped_mm":
@@ -135,9 +137,7 @@ class TorchAOBackend(Fp8Backend):
                     f"which exist only on CUDA SM89+ or ROCm gfx942+ (this is {device.arch})"
                 )
             if recipe != "rowwise":
-                return Verdict.no(
-                    f"TorchAO implements only the rowwise recipe for grouped GEMMs, not {recipe!r}"
-                )
+                return Verdict.no(f"TorchAO implements only the rowwise recipe for grouped GEMMs, not {recipe!r}")
             if self._grouped_mm_import_error:
                 return Verdict.no(self._grouped_mm_import_error)
         bad = [f"{name}={dim}" for name, dim in (("K", k), ("N", n)) if dim is not None and dim % _ALIGNMENT]
@@ -154,7 +154,11 @@ class TorchAOBackend(Fp8Backend):
             if sm < 100 and not (device.kind == "cpu" and op == "linear"):
                 return Verdict.no(
                     f"TorchAO's MXFP8 kernels need NVIDIA SM100 (this is {device.arch})"
-                    + ("; its emulated MX grouped GEMM needs groups padded to 32 on the host" if device.kind == "cpu" else "")
+                    + (
+                        "; its emulated MX grouped GEMM needs groups padded to 32 on the host"
+                        if device.kind == "cpu"
+                        else ""
+                    )
                 )
         elif op == "grouped_mm":
             return Verdict.no(
@@ -198,7 +202,9 @@ class TorchAOBackend(Fp8Backend):
         # imports (it needs Triton). TorchAO's CPU-only emulated MX linear multiplies with aten.mm.
         aten = torch.ops.aten
         ops = {aten._scaled_mm.default, aten._scaled_grouped_mm.default}
-        ops |= {getattr(aten, name).default for name in ("_scaled_mm_v2", "_scaled_grouped_mm_v2") if hasattr(aten, name)}
+        ops |= {
+            getattr(aten, name).default for name in ("_scaled_mm_v2", "_scaled_grouped_mm_v2") if hasattr(aten, name)
+        }
         if not self._import_error:
             try:
                 importlib.import_module("torchao.prototype.blockwise_fp8_training.kernels")
@@ -209,13 +215,17 @@ class TorchAOBackend(Fp8Backend):
 
     def accepts(self, recipe: Fp8Recipe) -> Verdict:
         if recipe.definition != "torchao":
-            return Verdict.no(f"TorchAO runs the torchao definition of {recipe.name!r}, not the {recipe.definition} one")
+            return Verdict.no(
+                f"TorchAO runs the torchao definition of {recipe.name!r}, not the {recipe.definition} one"
+            )
         return Verdict.yes()
 
     def takes_gathered_fp8_weight(self, recipe: Fp8Recipe, op: Op = "linear") -> Verdict:
         if op == "grouped_mm":
-            return Verdict.no("TorchAO's grouped GEMM (_to_fp8_rowwise_then_scaled_grouped_mm) quantizes B_t itself: "
-                              "it has no entry for a pre-quantized weight")
+            return Verdict.no(
+                "TorchAO's grouped GEMM (_to_fp8_rowwise_then_scaled_grouped_mm) quantizes B_t itself: "
+                "it has no entry for a pre-quantized weight"
+            )
         return Verdict.yes("TorchAO takes it as its own Float8TrainingTensor and skips the weight cast")
 
     def gathered_weight(self, data, scale, dtype, recipe, source_dtype=None):
@@ -263,7 +273,9 @@ class TorchAOBackend(Fp8Backend):
         else:  # TorchAO's emulated MX: its to_mx casts, dequantize, high-precision mm
             kernels = (KernelPreference.EMULATED, MXFP8Dim0CastKernelChoice.TORCH, MXFP8Dim1CastKernelChoice.TORCH)
         e4m3 = torch.float8_e4m3fn
-        return mx_mm.apply(x, weight, e4m3, e4m3, e4m3, 32, *kernels, ScaleCalculationMode.RCEIL, False)[:rows].to(out_dtype)
+        return mx_mm.apply(x, weight, e4m3, e4m3, e4m3, 32, *kernels, ScaleCalculationMode.RCEIL, False)[:rows].to(
+            out_dtype
+        )
 
     @cached_property
     def _grouped_mm_fn(self):
@@ -286,7 +298,11 @@ class TorchAOBackend(Fp8Backend):
         if B_t.stride(-2) != 1:
             B_t = B_t.transpose(-2, -1).contiguous().transpose(-2, -1)
         out = self._grouped_mm_fn(
-            A, B_t, offs, out_dtype=torch.bfloat16, float8_dtype=recipe.e4m3,
+            A,
+            B_t,
+            offs,
+            out_dtype=torch.bfloat16,
+            float8_dtype=recipe.e4m3,
             # Its default (True) asserts "not yet supported"; groups come aligned from the
             # padding token dispatcher the converter installs.
             pad_token_groups_for_grouped_mm=False,
@@ -314,7 +330,11 @@ def _linear_function():
             return t
         granularity = cast_config.scaling_granularity
         return hp_tensor_to_float8_dynamic(
-            t, cast_config.target_dtype, mm_config, gemm_input_role=role, scaling_granularity=granularity,
+            t,
+            cast_config.target_dtype,
+            mm_config,
+            gemm_input_role=role,
+            scaling_granularity=granularity,
             axiswise_dim=get_maybe_axiswise_dim(axiswise_dim, granularity),
             round_scales_to_power_of_2=config.round_scales_to_power_of_2,
         )
@@ -339,8 +359,12 @@ def _linear_configs(recipe: Fp8Recipe):
     # TorchAO picks e4m3fn vs e4m3fnuz once at import from the local GPU; the recipe carries the
     # device's formats, so retarget every cast (this is also how fnuz is exercised on a CPU).
     base = Float8LinearConfig.from_recipe_name(recipe.name)
-    formats = {torch.float8_e4m3fn: recipe.e4m3, torch.float8_e4m3fnuz: recipe.e4m3,
-               torch.float8_e5m2: recipe.e5m2, torch.float8_e5m2fnuz: recipe.e5m2}
+    formats = {
+        torch.float8_e4m3fn: recipe.e4m3,
+        torch.float8_e4m3fnuz: recipe.e4m3,
+        torch.float8_e5m2: recipe.e5m2,
+        torch.float8_e5m2fnuz: recipe.e5m2,
+    }
     casts = {
         f.name: dataclasses.replace(getattr(base, f.name), target_dtype=formats[getattr(base, f.name).target_dtype])
         for f in dataclasses.fields(base)

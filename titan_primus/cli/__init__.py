@@ -24,62 +24,112 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     doctor = commands.add_parser(
-        "doctor", help="versions, device profile, backends and the routing table (always exits 0)",
+        "doctor",
+        help="versions, device profile, backends and the routing table (always exits 0)",
         description="Report versions, the device profile, every registered backend and the op x recipe routing table.",
     )
-    doctor.add_argument("--device", choices=known_profiles(), metavar="PROFILE",
-                        help=f"show a named device profile instead of the detected one ({', '.join(known_profiles())})")
+    doctor.add_argument(
+        "--device",
+        choices=known_profiles(),
+        metavar="PROFILE",
+        help=f"show a named device profile instead of the detected one ({', '.join(known_profiles())})",
+    )
     doctor.add_argument("--json", action="store_true", help="print JSON to stdout instead of tables")
 
     parity = commands.add_parser(
-        "parity", help="SQNR of every backend against fp32 and each other (exit 1 when a case fails)",
+        "parity",
+        help="SQNR of every backend against fp32 and each other (exit 1 when a case fails)",
         description="Run op x recipe x shape case x backend and check SQNR of out, grad_input and grad_weight.",
     )
-    parity.add_argument("--device", choices=known_profiles(), metavar="PROFILE",
-                        help="device profile to test under (default: detected)")
+    parity.add_argument(
+        "--device", choices=known_profiles(), metavar="PROFILE", help="device profile to test under (default: detected)"
+    )
     parity.add_argument("--json", metavar="PATH", help="write the full matrix to PATH (docs/json-schema.md)")
-    parity.add_argument("--require", action="append", default=[], metavar="BACKEND",
-                        help="fail unless BACKEND is available and runs (repeatable)")
+    parity.add_argument(
+        "--require",
+        action="append",
+        default=[],
+        metavar="BACKEND",
+        help="fail unless BACKEND is available and runs (repeatable)",
+    )
     parity.add_argument("--quick", action="store_true", help="a small case set (seconds on a CPU)")
-    parity.add_argument("--replay", metavar="FILE",
-                        help="instead of the matrix, re-run a GEMM call the numerics sentinel saved on a breach, on "
-                             "every backend here, against the emulation (exit 1 when a backend here differs)")
+    parity.add_argument(
+        "--replay",
+        metavar="FILE",
+        help="instead of the matrix, re-run a GEMM call the numerics sentinel saved on a breach, on "
+        "every backend here, against the emulation (exit 1 when a backend here differs)",
+    )
 
     bench = commands.add_parser(
-        "bench", help="FP8 vs bf16 forward+backward throughput of linears and grouped GEMMs (--memory: memory)",
+        "bench",
+        help="FP8 vs bf16 forward+backward throughput of linears and grouped GEMMs (--memory: memory)",
         description="Time FP8 linear and grouped GEMM forward+backward per available backend against bf16; "
-                    "with --memory, audit what each converted layer keeps for backward and model memory per rank.",
+        "with --memory, audit what each converted layer keeps for backward and model memory per rank.",
     )
     bench.add_argument("--json", metavar="PATH", help="write the results to PATH (docs/json-schema.md)")
-    bench.add_argument("--recipe", action="append", choices=RECIPE_NAMES, metavar="RECIPE",
-                       help=f"recipe to time (repeatable; default: all of {', '.join(RECIPE_NAMES)})")
+    bench.add_argument(
+        "--recipe",
+        action="append",
+        choices=RECIPE_NAMES,
+        metavar="RECIPE",
+        help=f"recipe to time (repeatable; default: all of {', '.join(RECIPE_NAMES)})",
+    )
     bench.add_argument("--iters", type=_positive, metavar="N", help="timed iterations per measurement")
     bench.add_argument("--warmup", type=_positive, metavar="N", help="untimed iterations first")
-    bench.add_argument("--compile", action="store_true",
-                       help="torch.compile each forward, as TorchTitan compiles its blocks (TorchAO fuses its casts only then)")
+    bench.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile each forward, as TorchTitan compiles its blocks (TorchAO fuses its casts only then)",
+    )
     bench.add_argument("--quick", action="store_true", help="one shape per op, one iteration (for tests)")
-    bench.add_argument("--fsdp-ranks", type=_positive, default=8, metavar="N",
-                       help="FSDP degree of the modelled all-gather traffic and memory per rank (default 8)")
-    bench.add_argument("--device", choices=known_profiles(), metavar="PROFILE",
-                       help="with --memory: the device profile to audit under (default: detected)")
-    bench.add_argument("--memory", action="store_true",
-                       help="instead of timing: the bytes each backend's converted layer keeps from forward to "
-                            "backward, and modelled memory per rank of Llama3-8B/70B/405B and DeepSeek-V3-671B "
-                            "(on a GPU also the measured peak of converted blocks under FSDP2)")
-    bench.add_argument("--seq-len", type=_positive, default=8192, metavar="N",
-                       help="sequence length of the --memory model (default 8192)")
-    bench.add_argument("--local-batch", type=_positive, default=1, metavar="N",
-                       help="sequences per rank and step of the --memory model (default 1)")
+    bench.add_argument(
+        "--fsdp-ranks",
+        type=_positive,
+        default=8,
+        metavar="N",
+        help="FSDP degree of the modelled all-gather traffic and memory per rank (default 8)",
+    )
+    bench.add_argument(
+        "--device",
+        choices=known_profiles(),
+        metavar="PROFILE",
+        help="with --memory: the device profile to audit under (default: detected)",
+    )
+    bench.add_argument(
+        "--memory",
+        action="store_true",
+        help="instead of timing: the bytes each backend's converted layer keeps from forward to "
+        "backward, and modelled memory per rank of Llama3-8B/70B/405B and DeepSeek-V3-671B "
+        "(on a GPU also the measured peak of converted blocks under FSDP2)",
+    )
+    bench.add_argument(
+        "--seq-len",
+        type=_positive,
+        default=8192,
+        metavar="N",
+        help="sequence length of the --memory model (default 8192)",
+    )
+    bench.add_argument(
+        "--local-batch",
+        type=_positive,
+        default=1,
+        metavar="N",
+        help="sequences per rank and step of the --memory model (default 1)",
+    )
 
     report = commands.add_parser(
-        "report", help="render parity/bench/memory JSON files side by side as Markdown",
+        "report",
+        help="render parity/bench/memory JSON files side by side as Markdown",
         description="Render parity, bench and bench --memory results files side by side as Markdown, optionally a PNG plot.",
     )
     report.add_argument("files", nargs="+", metavar="FILE", help="results files written with --json")
-    report.add_argument("--png", metavar="PATH",
-                        help="also plot SQNR per case per backend (parity files) or bytes kept per layer (memory files) "
-                             "to PATH; both kinds: the memory plot goes to PATH with '-memory' before the suffix "
-                             "(needs matplotlib)")
+    report.add_argument(
+        "--png",
+        metavar="PATH",
+        help="also plot SQNR per case per backend (parity files) or bytes kept per layer (memory files) "
+        "to PATH; both kinds: the memory plot goes to PATH with '-memory' before the suffix "
+        "(needs matplotlib)",
+    )
     return parser
 
 
@@ -111,16 +161,32 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench" and args.memory:
             from . import memory_audit
 
-            return memory_audit.command(args.recipe or list(RECIPE_NAMES), args.quick, args.json, sys.stdout,
-                                        args.fsdp_ranks, args.seq_len, args.local_batch, args.device)
+            return memory_audit.command(
+                args.recipe or list(RECIPE_NAMES),
+                args.quick,
+                args.json,
+                sys.stdout,
+                args.fsdp_ranks,
+                args.seq_len,
+                args.local_batch,
+                args.device,
+            )
         if args.command == "bench":
             from . import bench
 
             if args.device:
                 raise ValueError("bench --device goes with --memory: the timings run on this machine's device")
 
-            return bench.command(args.recipe or list(RECIPE_NAMES), args.quick, args.compile, args.iters,
-                                 args.warmup, args.json, sys.stdout, fsdp_ranks=args.fsdp_ranks)
+            return bench.command(
+                args.recipe or list(RECIPE_NAMES),
+                args.quick,
+                args.compile,
+                args.iters,
+                args.warmup,
+                args.json,
+                sys.stdout,
+                fsdp_ranks=args.fsdp_ranks,
+            )
         from . import report
 
         return report.command(args.files, args.png, sys.stdout)

@@ -38,7 +38,16 @@ from .sentinel_cost import render_sentinel_cost, sentinel_cost
 from .report import document, markdown_table, prepare_output, skip_lines, write_document
 from ..routing import RoutingDecision, select_backend
 
-__all__ = ["DATASHEET_PEAKS", "GROUPED_SHAPES", "LINEAR_SHAPES", "BenchShape", "command", "cpu_note", "peak_for", "run_bench"]
+__all__ = [
+    "DATASHEET_PEAKS",
+    "GROUPED_SHAPES",
+    "LINEAR_SHAPES",
+    "BenchShape",
+    "command",
+    "cpu_note",
+    "peak_for",
+    "run_bench",
+]
 
 
 @dataclass(frozen=True)
@@ -112,7 +121,6 @@ DATASHEET_PEAKS = {
 }
 
 
-
 def cpu_note(divisor: int) -> str:
     return (
         "CPU figures are not FP8 performance: a CPU has no FP8 matrix units, the emulated backend runs fp32 "
@@ -175,7 +183,9 @@ def _fp8(shape: BenchShape, decision: RoutingDecision):
     return lambda a, w, offs: impl.grouped_mm(a, w.transpose(-2, -1), offs, recipe)
 
 
-def _measure(row: dict, shape: BenchShape, forward, timing: tuple[int, int], device: torch.device, compile: bool) -> None:
+def _measure(
+    row: dict, shape: BenchShape, forward, timing: tuple[int, int], device: torch.device, compile: bool
+) -> None:
     if compile:
         # Every measurement's closure shares one code object: without a reset, dynamo's recompile
         # limit would silently send later measurements back to eager.
@@ -190,12 +200,26 @@ def _measure(row: dict, shape: BenchShape, forward, timing: tuple[int, int], dev
 
 
 def _row(shape: BenchShape, backend: str, recipe: str | None) -> dict:
-    return {"op": shape.op, "case": shape.name, "shape": shape.describe(), "flops": shape.flops,
-            "backend": backend, "recipe": recipe, "definition": None, "status": "skipped", "reason": "", "ms": None,
-            "tflops": None, "speedup_vs_bf16": None, "fraction_of_peak": None}
+    return {
+        "op": shape.op,
+        "case": shape.name,
+        "shape": shape.describe(),
+        "flops": shape.flops,
+        "backend": backend,
+        "recipe": recipe,
+        "definition": None,
+        "status": "skipped",
+        "reason": "",
+        "ms": None,
+        "tflops": None,
+        "speedup_vs_bf16": None,
+        "fraction_of_peak": None,
+    }
 
 
-def run_bench(shapes, recipes: list[str], timing: tuple[int, int], profile: DeviceProfile, compile: bool = False) -> list[dict]:
+def run_bench(
+    shapes, recipes: list[str], timing: tuple[int, int], profile: DeviceProfile, compile: bool = False
+) -> list[dict]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     found = peak_for(profile.name)
     peak = found[1] if found else None
@@ -227,25 +251,46 @@ def _fmt(value: float | None, pattern: str) -> str:
     return "-" if value is None else format(value, pattern)
 
 
-def render(rows: list[dict], profile: DeviceProfile, timing: tuple[int, int], mode: str, note: str, seconds: float) -> str:
+def render(
+    rows: list[dict], profile: DeviceProfile, timing: tuple[int, int], mode: str, note: str, seconds: float
+) -> str:
     found = peak_for(profile.name)
-    lines = [(f"titan-primus bench on {profile.describe()}: forward+backward ({mode}), "
-              f"{timing[0]} warm-up + {timing[1]} timed iterations")]
+    lines = [
+        (
+            f"titan-primus bench on {profile.describe()}: forward+backward ({mode}), "
+            f"{timing[0]} warm-up + {timing[1]} timed iterations"
+        )
+    ]
     if found:
-        lines.append(f"datasheet peak ({found[0]}, dense): FP8 {found[1].fp8:g} TFLOP/s, BF16 {found[1].bf16:g} TFLOP/s")
+        lines.append(
+            f"datasheet peak ({found[0]}, dense): FP8 {found[1].fp8:g} TFLOP/s, BF16 {found[1].bf16:g} TFLOP/s"
+        )
     else:
         lines.append(f"no datasheet peak known for {profile.name!r}: fraction of peak not reported")
     if note:
         lines.append(note)
     lines.append("")
     table = [
-        [r["op"], r["case"], r["shape"], r["backend"], r["recipe"] or "-", _fmt(r["ms"], ".3g"), _fmt(r["tflops"], ".3g"),
-         _fmt(r["speedup_vs_bf16"], ".2f"), _fmt(r["fraction_of_peak"] and 100 * r["fraction_of_peak"], ".1f"), r["status"]]
-        for r in rows if r["status"] != "skipped"
+        [
+            r["op"],
+            r["case"],
+            r["shape"],
+            r["backend"],
+            r["recipe"] or "-",
+            _fmt(r["ms"], ".3g"),
+            _fmt(r["tflops"], ".3g"),
+            _fmt(r["speedup_vs_bf16"], ".2f"),
+            _fmt(r["fraction_of_peak"] and 100 * r["fraction_of_peak"], ".1f"),
+            r["status"],
+        ]
+        for r in rows
+        if r["status"] != "skipped"
     ]
-    lines.append(markdown_table(
-        ["op", "case", "shape", "backend", "recipe", "ms", "TFLOP/s", "x bf16", "% peak", "status"], table
-    ))
+    lines.append(
+        markdown_table(
+            ["op", "case", "shape", "backend", "recipe", "ms", "TFLOP/s", "x bf16", "% peak", "status"], table
+        )
+    )
     errors = [r for r in rows if r["status"] == "error"]
     if errors:
         lines += ["", "errors:"] + [f"  {r['case']} {r['backend']} {r['recipe']}: {r['reason']}" for r in errors]
@@ -256,8 +301,16 @@ def render(rows: list[dict], profile: DeviceProfile, timing: tuple[int, int], mo
     return "\n".join(lines) + "\n"
 
 
-def command(recipes: list[str], quick: bool, compile: bool, iters: int | None, warmup: int | None,
-            json_path: str | None, out, fsdp_ranks: int = 8) -> int:
+def command(
+    recipes: list[str],
+    quick: bool,
+    compile: bool,
+    iters: int | None,
+    warmup: int | None,
+    json_path: str | None,
+    out,
+    fsdp_ranks: int = 8,
+) -> int:
     """Measure, print, write ``json_path``; 1 when a backend raised. Also prints the modelled
     FSDP2 all-gather traffic on ``fsdp_ranks`` ranks with and without FP8 all-gather."""
     profile = detect_device()
@@ -281,7 +334,11 @@ def command(recipes: list[str], quick: bool, compile: bool, iters: int | None, w
     if json_path:
         found = peak_for(profile.name)
         settings = {
-            "recipes": recipes, "quick": quick, "mode": mode, "warmup": timing[0], "iters": timing[1],
+            "recipes": recipes,
+            "quick": quick,
+            "mode": mode,
+            "warmup": timing[0],
+            "iters": timing[1],
             "shape_divisor": divisor,
             "peak": {"device": found[0], "fp8_tflops": found[1].fp8, "bf16_tflops": found[1].bf16} if found else None,
             "note": note,

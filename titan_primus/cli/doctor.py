@@ -23,7 +23,17 @@ from ..recipes import RECIPE_NAMES
 from .report import SCHEMA_VERSION, markdown_table
 from ..routing import BackendUnavailableError, select_backend
 
-__all__ = ["command", "describe_error", "diagnose", "environment", "profile_dict", "render", "resolve_profile", "versions", "why_not"]
+__all__ = [
+    "command",
+    "describe_error",
+    "diagnose",
+    "environment",
+    "profile_dict",
+    "render",
+    "resolve_profile",
+    "versions",
+    "why_not",
+]
 
 # Distribution names as pip knows them (metadata lookups normalise - and _).
 _PACKAGES = ("torch", "torchtitan", "torchao", "primus-turbo")
@@ -89,13 +99,15 @@ def _backends(profile: DeviceProfile) -> list[dict]:
     rows = []
     for backend in registry.backends().values():
         verdict = backend.availability(profile)
-        rows.append({
-            "name": backend.name,
-            "provided_by": type(backend).__module__,
-            "rank": backend.rank(profile),
-            "available": verdict.ok,
-            "reason": verdict.reason,
-        })
+        rows.append(
+            {
+                "name": backend.name,
+                "provided_by": type(backend).__module__,
+                "rank": backend.rank(profile),
+                "available": verdict.ok,
+                "reason": verdict.reason,
+            }
+        )
     return rows
 
 
@@ -106,17 +118,27 @@ def _routing(profile: DeviceProfile) -> list[dict]:
             try:
                 decision = select_backend(op, recipe, profile)
             except BackendUnavailableError as e:
-                rows.append({"op": op, "recipe": recipe, "backend": None, "definition": None,
-                             "reason": str(e), "passed_over": []})
+                rows.append(
+                    {
+                        "op": op,
+                        "recipe": recipe,
+                        "backend": None,
+                        "definition": None,
+                        "reason": str(e),
+                        "passed_over": [],
+                    }
+                )
                 continue
-            rows.append({
-                "op": op,
-                "recipe": recipe,
-                "backend": decision.backend_name,
-                "definition": decision.recipe.definition,
-                "reason": decision.reason,
-                "passed_over": [{"backend": name, "reason": why} for name, why in decision.passed_over],
-            })
+            rows.append(
+                {
+                    "op": op,
+                    "recipe": recipe,
+                    "backend": decision.backend_name,
+                    "definition": decision.recipe.definition,
+                    "reason": decision.reason,
+                    "passed_over": [{"backend": name, "reason": why} for name, why in decision.passed_over],
+                }
+            )
     return rows
 
 
@@ -159,7 +181,9 @@ def render(diagnosis: dict) -> str:
     device = env["device"]
     lines = ["titan-primus doctor", "", markdown_table(["component", "version"], _version_rows(diagnosis)), ""]
     if diagnosis.get("primus_turbo_paths"):
-        lines += [f"Primus-Turbo path of both ops, {mode}: {path}" for mode, path in diagnosis["primus_turbo_paths"].items()]
+        lines += [
+            f"Primus-Turbo path of both ops, {mode}: {path}" for mode, path in diagnosis["primus_turbo_paths"].items()
+        ]
         lines.append("")
     lines.append(f"device: {device['description']}")
     lines.append(
@@ -168,18 +192,33 @@ def render(diagnosis: dict) -> str:
         f"FP8 formats: {device['e4m3']} / {device['e5m2']}; "
         f"GPUs visible to torch: {env['gpus_visible']}"
     )
-    lines += ["", "backends (backend=\"auto\" takes the highest rank that is available and supports the op):"]
-    lines.append(markdown_table(
-        ["backend", "provided by", "rank", "available", "why"],
-        [[b["name"], b["provided_by"], str(b["rank"]), "yes" if b["available"] else "no", b["reason"]]
-         for b in diagnosis["backends"]],
-    ))
+    lines += ["", 'backends (backend="auto" takes the highest rank that is available and supports the op):']
+    lines.append(
+        markdown_table(
+            ["backend", "provided by", "rank", "available", "why"],
+            [
+                [b["name"], b["provided_by"], str(b["rank"]), "yes" if b["available"] else "no", b["reason"]]
+                for b in diagnosis["backends"]
+            ],
+        )
+    )
     lines += ["", f"routing on {device['arch']} (op x recipe -> backend):"]
-    lines.append(markdown_table(
-        ["op", "recipe", "backend", "definition", "why", "passed over"],
-        [[r["op"], r["recipe"], r["backend"] or "NONE", r["definition"] or "-", r["reason"],
-          ", ".join(p["backend"] for p in r["passed_over"]) or "-"] for r in diagnosis["routing"]],
-    ))
+    lines.append(
+        markdown_table(
+            ["op", "recipe", "backend", "definition", "why", "passed over"],
+            [
+                [
+                    r["op"],
+                    r["recipe"],
+                    r["backend"] or "NONE",
+                    r["definition"] or "-",
+                    r["reason"],
+                    ", ".join(p["backend"] for p in r["passed_over"]) or "-",
+                ]
+                for r in diagnosis["routing"]
+            ],
+        )
+    )
     passed_over = {(p["backend"], p["reason"]) for r in diagnosis["routing"] for p in r["passed_over"]}
     if passed_over:
         lines += ["", "why backends were passed over:"]

@@ -84,14 +84,23 @@ def render_traffic(ranks: int) -> str:
 
     gib = 2**30
     table = [
-        [r["model"], f"{100 * r['fp8_gathered_share']:.1f}%", f"{r['bf16_bytes'] / gib:.1f}",
-         f"{r['tensorwise_bytes'] / gib:.1f} ({r['tensorwise_ratio']:.3f}x)",
-         f"{r['rowwise_bytes'] / gib:.1f} ({r['rowwise_ratio']:.3f}x)"]
+        [
+            r["model"],
+            f"{100 * r['fp8_gathered_share']:.1f}%",
+            f"{r['bf16_bytes'] / gib:.1f}",
+            f"{r['tensorwise_bytes'] / gib:.1f} ({r['tensorwise_ratio']:.3f}x)",
+            f"{r['rowwise_bytes'] / gib:.1f} ({r['rowwise_ratio']:.3f}x)",
+        ]
         for r in traffic_rows(ranks)
     ]
-    return "\n".join([
-        f"FSDP2 all-gather traffic per step and rank on {ranks} ranks (MODEL, computed from shapes; "
-        f"see titan_primus/cli/fsdp_traffic.py), GiB:",
-        "rowwise applies to the Primus-Turbo v0.3.1+ definition only; other rowwise definitions gather in bf16",
-        markdown_table(["model", "params FP8-gathered", "bf16", "FP8 tensorwise", "FP8 rowwise"], table),
-    ]) + "\n"
+    return (
+        "\n".join(
+            [
+                f"FSDP2 all-gather traffic per step and rank on {ranks} ranks (MODEL, computed from shapes; "
+                f"see titan_primus/cli/fsdp_traffic.py), GiB:",
+                "rowwise applies to the Primus-Turbo v0.3.1+ definition only; other rowwise definitions gather in bf16",
+                markdown_table(["model", "params FP8-gathered", "bf16", "FP8 tensorwise", "FP8 rowwise"], table),
+            ]
+        )
+        + "\n"
+    )

@@ -38,9 +38,21 @@ PATHS = ("eager", "compiled")
 
 def _row(backend: str, recipe: str, op: str, path: str, all_gather: bool) -> dict:
     shape = AUDIT_SHAPES[op]
-    return {"op": op, "case": f"{path}{', FP8 all-gather' if all_gather else ''}", "shape": shape.describe(),
-            "backend": backend, "recipe": recipe, "definition": None, "path": path, "fp8_all_gather": all_gather,
-            "status": "skipped", "reason": "", "kept": None, "kept_bytes": None, "input_by_reference": None}
+    return {
+        "op": op,
+        "case": f"{path}{', FP8 all-gather' if all_gather else ''}",
+        "shape": shape.describe(),
+        "backend": backend,
+        "recipe": recipe,
+        "definition": None,
+        "path": path,
+        "fp8_all_gather": all_gather,
+        "status": "skipped",
+        "reason": "",
+        "kept": None,
+        "kept_bytes": None,
+        "input_by_reference": None,
+    }
 
 
 def audit_rows(profile: DeviceProfile, recipes: list[str], paths=PATHS) -> list[dict]:
@@ -51,7 +63,9 @@ def audit_rows(profile: DeviceProfile, recipes: list[str], paths=PATHS) -> list[
             shape = AUDIT_SHAPES[op]
             for recipe in recipes:
                 reason = why_not(backend, op, recipe, profile, k=shape.k, n=shape.n)
-                resolved = None if reason else select_backend(op, recipe, profile, backend.name, k=shape.k, n=shape.n).recipe
+                resolved = (
+                    None if reason else select_backend(op, recipe, profile, backend.name, k=shape.k, n=shape.n).recipe
+                )
                 for path in paths:
                     for all_gather in (False, True):
                         row = _row(backend.name, recipe, op, path, all_gather)
@@ -76,8 +90,12 @@ def _audit(row: dict, backend, recipe, op: str, path: str, all_gather: bool) -> 
         row.update(status="error", reason=describe_error(e))
         return
     kept = result["kept"]
-    row.update(status="ok", kept=kept, kept_bytes=sum(v for k, v in kept.items() if k != "parameter"),
-               input_by_reference=result["input_by_reference"])
+    row.update(
+        status="ok",
+        kept=kept,
+        kept_bytes=sum(v for k, v in kept.items() if k != "parameter"),
+        input_by_reference=result["input_by_reference"],
+    )
 
 
 def _gemm_memory(row: dict) -> GemmMemory:
@@ -92,8 +110,12 @@ def _gemm_memory(row: dict) -> GemmMemory:
     gathered = {}
     if row["fp8_all_gather"]:  # one byte per element, and what the scales add per row
         gathered = {"gathered_bytes": 1.0, "gathered_row_bytes": (kept["parameter"] - weight) / (weight // shape.k)}
-    return GemmMemory(input_bytes=activations / inputs, input_by_reference=row["input_by_reference"],
-                      weight_copy_bytes=kept["weight_copy"] / weight, **gathered)
+    return GemmMemory(
+        input_bytes=activations / inputs,
+        input_by_reference=row["input_by_reference"],
+        weight_copy_bytes=kept["weight_copy"] / weight,
+        **gathered,
+    )
 
 
 def gemm_memory_columns(rows: list[dict]) -> dict[str, dict[bool, GemmMemory | None]]:
@@ -142,8 +164,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def blocks_peak(linear, device: torch.device, blocks: int = 4, dim: int = 4096, hidden: int = 14336,
-                tokens: int = 8192) -> int | None:
+def blocks_peak(
+    linear, device: torch.device, blocks: int = 4, dim: int = 4096, hidden: int = 14336, tokens: int = 8192
+) -> int | None:
     """Peak bytes allocated beyond the sharded model during one forward + backward of ``blocks``
     blocks under FSDP2 (one rank; bf16 parameters; every block resharded after its forward), on
     ``device``; None where the device reports no allocator peak (a CPU: the run still checks the
@@ -180,12 +203,24 @@ def blocks_peak(linear, device: torch.device, blocks: int = 4, dim: int = 4096, 
 def gpu_peak_rows(profile: DeviceProfile, recipes: list[str]) -> list[dict]:
     """On a GPU: the blocks' peak in bf16 and with each backend's FP8 linear."""
     device = torch.device("cuda")
-    rows = [{"backend": "bf16", "recipe": None, "status": "ok", "reason": "",
-             "peak_bytes": blocks_peak(lambda x, w: F.linear(x, w), device)}]
+    rows = [
+        {
+            "backend": "bf16",
+            "recipe": None,
+            "status": "ok",
+            "reason": "",
+            "peak_bytes": blocks_peak(lambda x, w: F.linear(x, w), device),
+        }
+    ]
     for backend in registry.backends().values():
         for recipe in recipes:
-            row = {"backend": backend.name, "recipe": recipe, "status": "skipped", "peak_bytes": None,
-                   "reason": why_not(backend, "linear", recipe, profile, k=4096, n=14336)}
+            row = {
+                "backend": backend.name,
+                "recipe": recipe,
+                "status": "skipped",
+                "peak_bytes": None,
+                "reason": why_not(backend, "linear", recipe, profile, k=4096, n=14336),
+            }
             rows.append(row)
             if row["reason"]:
                 continue
@@ -212,8 +247,14 @@ def _gib(value: float) -> str:
     return f"{value / 2**30:.1f}"
 
 
-def render(rows: list[dict], estimates: list[dict], gpu: list[dict] | None, profile: DeviceProfile,
-           settings: dict, seconds: float) -> str:
+def render(
+    rows: list[dict],
+    estimates: list[dict],
+    gpu: list[dict] | None,
+    profile: DeviceProfile,
+    settings: dict,
+    seconds: float,
+) -> str:
     shapes = ", ".join(f"{op} {s.describe()}" for op, s in AUDIT_SHAPES.items())
     lines = [
         f"titan-primus bench --memory on {profile.describe()}",
@@ -225,47 +266,129 @@ def render(rows: list[dict], estimates: list[dict], gpu: list[dict] | None, prof
         "",
     ]
     ran = [r for r in rows if r["status"] != "skipped"]
-    table = [[r["op"], r["backend"], r["recipe"], r["definition"] or "-", r["case"],
-              *(_bytes(r["kept"] and r["kept"][c]) for c in CATEGORIES),
-              "yes" if r["input_by_reference"] else "-" if r["input_by_reference"] is None else "no", r["status"]]
-             for r in ran]
-    lines.append(markdown_table(["op", "backend", "recipe", "definition", "path", "FP8 activations", "other activations",
-                                 "parameter", "weight copies", "other", "input kept itself", "status"], table))
+    table = [
+        [
+            r["op"],
+            r["backend"],
+            r["recipe"],
+            r["definition"] or "-",
+            r["case"],
+            *(_bytes(r["kept"] and r["kept"][c]) for c in CATEGORIES),
+            "yes" if r["input_by_reference"] else "-" if r["input_by_reference"] is None else "no",
+            r["status"],
+        ]
+        for r in ran
+    ]
+    lines.append(
+        markdown_table(
+            [
+                "op",
+                "backend",
+                "recipe",
+                "definition",
+                "path",
+                "FP8 activations",
+                "other activations",
+                "parameter",
+                "weight copies",
+                "other",
+                "input kept itself",
+                "status",
+            ],
+            table,
+        )
+    )
     errors = [r for r in rows if r["status"] == "error"]
     if errors:
-        lines += ["", "errors:"] + [f"  {r['op']} {r['backend']} {r['recipe']} {r['case']}: {r['reason']}" for r in errors]
+        lines += ["", "errors:"] + [
+            f"  {r['op']} {r['backend']} {r['recipe']} {r['case']}: {r['reason']}" for r in errors
+        ]
     skipped = [(r["backend"], r["reason"]) for r in rows if r["status"] == "skipped"]
     if skipped:
         lines += ["", f"skipped ({len(skipped)} audits):", *skip_lines(skipped)]
-    copies = sorted({f"{r['backend']} {r['recipe']} {r['op']} {r['case']}" for r in ran if r["kept"] and r["kept"]["weight_copy"]})
-    lines += ["", f"weight copies kept for backward: {len(copies)} of {len(ran)} audited cases"
-              + (f" ({'; '.join(copies)})" if copies else "")]
+    copies = sorted(
+        {f"{r['backend']} {r['recipe']} {r['op']} {r['case']}" for r in ran if r["kept"] and r["kept"]["weight_copy"]}
+    )
+    lines += [
+        "",
+        f"weight copies kept for backward: {len(copies)} of {len(ran)} audited cases"
+        + (f" ({'; '.join(copies)})" if copies else ""),
+    ]
 
-    lines += ["", (f"Memory per rank, GiB: {ASSUMPTIONS}. FSDP degree {settings['fsdp_ranks']}, sequence "
-                   f"{settings['seq_len']}, local batch {settings['local_batch']}; each backend and recipe with "
-                   f"its weights all-gathered in bf16, and in FP8 (enable_fsdp_float8_all_gather) where exact; a "
-                   f"column without an audited grouped GEMM has no MoE rows.")]
-    lines.append(markdown_table(
-        ["model", "column", "sharded state", "gathered", "GEMM activations", "weight copies", "total, no AC", "total, full AC"],
-        [[e["model"], e["column"], _gib(e["state_bytes"]), _gib(e["gathered_bytes"]), _gib(e["gemm_activation_bytes"]),
-          _gib(e["weight_copy_bytes"]), _gib(e["total_no_ac_bytes"]), _gib(e["total_full_ac_bytes"])] for e in estimates],
-    ))
+    lines += [
+        "",
+        (
+            f"Memory per rank, GiB: {ASSUMPTIONS}. FSDP degree {settings['fsdp_ranks']}, sequence "
+            f"{settings['seq_len']}, local batch {settings['local_batch']}; each backend and recipe with "
+            f"its weights all-gathered in bf16, and in FP8 (enable_fsdp_float8_all_gather) where exact; a "
+            f"column without an audited grouped GEMM has no MoE rows."
+        ),
+    ]
+    lines.append(
+        markdown_table(
+            [
+                "model",
+                "column",
+                "sharded state",
+                "gathered",
+                "GEMM activations",
+                "weight copies",
+                "total, no AC",
+                "total, full AC",
+            ],
+            [
+                [
+                    e["model"],
+                    e["column"],
+                    _gib(e["state_bytes"]),
+                    _gib(e["gathered_bytes"]),
+                    _gib(e["gemm_activation_bytes"]),
+                    _gib(e["weight_copy_bytes"]),
+                    _gib(e["total_no_ac_bytes"]),
+                    _gib(e["total_full_ac_bytes"]),
+                ]
+                for e in estimates
+            ],
+        )
+    )
     lines.append("")
     if gpu is None:
         lines.append("GPU peak memory of converted blocks under FSDP2: not measured (no GPU here)")
     else:
-        lines.append("GPU peak memory beyond the sharded model, 4 blocks x+w2(gelu(w1 x)) (dim 4096, hidden 14336, "
-                     "8192 tokens) under FSDP2 (1 rank), measured with torch.cuda.max_memory_allocated:")
-        lines.append(markdown_table(["backend", "recipe", "peak", "x bf16", "status"],
-                                    [[r["backend"], r["recipe"] or "-", _bytes(r["peak_bytes"]),
-                                      f"{r['vs_bf16']:.3f}" if r.get("vs_bf16") else "-", r["status"]] for r in gpu]))
+        lines.append(
+            "GPU peak memory beyond the sharded model, 4 blocks x+w2(gelu(w1 x)) (dim 4096, hidden 14336, "
+            "8192 tokens) under FSDP2 (1 rank), measured with torch.cuda.max_memory_allocated:"
+        )
+        lines.append(
+            markdown_table(
+                ["backend", "recipe", "peak", "x bf16", "status"],
+                [
+                    [
+                        r["backend"],
+                        r["recipe"] or "-",
+                        _bytes(r["peak_bytes"]),
+                        f"{r['vs_bf16']:.3f}" if r.get("vs_bf16") else "-",
+                        r["status"],
+                    ]
+                    for r in gpu
+                ],
+            )
+        )
     counts = Counter(r["status"] for r in rows)
     lines += ["", f"{counts['ok']} audited, {counts['error']} errors in {seconds:.1f} s"]
     return "\n".join(lines) + "\n"
 
 
-def command(recipes: list[str], quick: bool, json_path: str | None, out, fsdp_ranks: int, seq_len: int,
-            local_batch: int, device: str | None = None) -> int:
+def command(
+    recipes: list[str],
+    quick: bool,
+    json_path: str | None,
+    out,
+    fsdp_ranks: int,
+    seq_len: int,
+    local_batch: int,
+    device: str | None = None,
+) -> int:
     profile = resolve_profile(device)
     prepare_output(json_path)
     paths = ("eager",) if quick else PATHS
@@ -274,9 +397,16 @@ def command(recipes: list[str], quick: bool, json_path: str | None, out, fsdp_ra
     estimates = estimate_rows(gemm_memory_columns(rows), fsdp_ranks, seq_len, local_batch)
     gpu = gpu_peak_rows(profile, recipes) if torch.cuda.is_available() and profile.detected else None
     seconds = time.perf_counter() - started
-    settings = {"recipes": recipes, "quick": quick, "paths": list(paths), "fsdp_ranks": fsdp_ranks,
-                "seq_len": seq_len, "local_batch": local_batch, "assumptions": ASSUMPTIONS,
-                "shapes": {op: s.describe() for op, s in AUDIT_SHAPES.items()}}
+    settings = {
+        "recipes": recipes,
+        "quick": quick,
+        "paths": list(paths),
+        "fsdp_ranks": fsdp_ranks,
+        "seq_len": seq_len,
+        "local_batch": local_batch,
+        "assumptions": ASSUMPTIONS,
+        "shapes": {op: s.describe() for op, s in AUDIT_SHAPES.items()},
+    }
     out.write(render(rows, estimates, gpu, profile, settings, seconds))
     counts = Counter(r["status"] for r in rows)
     if json_path:

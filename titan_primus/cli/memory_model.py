@@ -114,6 +114,14 @@ def estimate_rows(columns: dict[str, dict[bool, GemmMemory]], ranks: int, seq_le
         for column, memory in columns.items():
             if arch.experts and memory.get(True) is None:
                 continue
-            rows.append({"model": name, "column": column, "ranks": ranks, "seq_len": seq_len,
-                         "local_batch": local_batch, **estimate(arch, ranks, tokens, memory)})
+            rows.append(
+                {
+                    "model": name,
+                    "column": column,
+                    "ranks": ranks,
+                    "seq_len": seq_len,
+                    "local_batch": local_batch,
+                    **estimate(arch, ranks, tokens, memory),
+                }
+            )
     return rows

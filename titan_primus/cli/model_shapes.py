@@ -65,9 +65,13 @@ class Architecture:
 
 def _llama3(name: str, layers: int, dim: int, kv_dim: int, ffn: int, vocab: int = 128256) -> Architecture:
     gemms = (
-        Gemm("wq", dim, dim, "attention input"), Gemm("wk", dim, kv_dim, "attention input"),
-        Gemm("wv", dim, kv_dim, "attention input"), Gemm("wo", dim, dim, "attention output"),
-        Gemm("w1", dim, ffn, "ffn input"), Gemm("w3", dim, ffn, "ffn input"), Gemm("w2", ffn, dim, "ffn hidden"),
+        Gemm("wq", dim, dim, "attention input"),
+        Gemm("wk", dim, kv_dim, "attention input"),
+        Gemm("wv", dim, kv_dim, "attention input"),
+        Gemm("wo", dim, dim, "attention output"),
+        Gemm("w1", dim, ffn, "ffn input"),
+        Gemm("w3", dim, ffn, "ffn input"),
+        Gemm("w2", ffn, dim, "ffn hidden"),
     )
     return Architecture(name, dim, vocab, (Block(layers, gemms, 2 * dim),))
 
@@ -75,22 +79,35 @@ def _llama3(name: str, layers: int, dim: int, kv_dim: int, ffn: int, vocab: int 
 def _deepseek_v3_671b() -> Architecture:
     dim, heads, q_rank, kv_rank, nope, rope, v, hidden = 7168, 128, 1536, 512, 128, 64, 128, 2048
     attention = (
-        Gemm("wq_a", dim, q_rank, "attention input"), Gemm("wq_b", q_rank, heads * (nope + rope), "q norm"),
-        Gemm("wkv_a", dim, kv_rank + rope, "attention input"), Gemm("wkv_b", kv_rank, heads * (nope + v), "kv norm"),
+        Gemm("wq_a", dim, q_rank, "attention input"),
+        Gemm("wq_b", q_rank, heads * (nope + rope), "q norm"),
+        Gemm("wkv_a", dim, kv_rank + rope, "attention input"),
+        Gemm("wkv_b", kv_rank, heads * (nope + v), "kv norm"),
         Gemm("wo", heads * v, dim, "attention output"),
     )
     norms = 2 * dim + q_rank + kv_rank  # attention, FFN, q and kv norms
-    dense = (Gemm("w1", dim, 18432, "ffn input"), Gemm("w3", dim, 18432, "ffn input"), Gemm("w2", 18432, dim, "ffn hidden"))
+    dense = (
+        Gemm("w1", dim, 18432, "ffn input"),
+        Gemm("w3", dim, 18432, "ffn input"),
+        Gemm("w2", 18432, dim, "ffn hidden"),
+    )
     moe = (
         Gemm("router.gate", dim, 256, "ffn input", fp8=False),
-        Gemm("shared_experts.w1", dim, hidden, "ffn input"), Gemm("shared_experts.w3", dim, hidden, "ffn input"),
+        Gemm("shared_experts.w1", dim, hidden, "ffn input"),
+        Gemm("shared_experts.w3", dim, hidden, "ffn input"),
         Gemm("shared_experts.w2", hidden, dim, "shared expert hidden"),
         Gemm("experts.w1", dim, hidden, "routed tokens", routed=True),
         Gemm("experts.w3", dim, hidden, "routed tokens", routed=True),
         Gemm("experts.w2", hidden, dim, "routed hidden", routed=True),
     )
-    return Architecture("DeepSeek-V3-671B", dim, 129280, (Block(3, attention + dense, norms), Block(58, attention + moe, norms)),
-                        experts=256, top_k=8)
+    return Architecture(
+        "DeepSeek-V3-671B",
+        dim,
+        129280,
+        (Block(3, attention + dense, norms), Block(58, attention + moe, norms)),
+        experts=256,
+        top_k=8,
+    )
 
 
 ARCHITECTURES = {

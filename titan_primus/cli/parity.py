@@ -203,6 +203,7 @@ class LinearCase(_Case):
         """(out, grad_input, grad_weight); ``recipe=None`` is the fp32 reference."""
         if recipe is None:
             return reference_linear(*inputs)[:3]
+
         def fn(x, w, b):
             return fp8_linear(x, w, b, recipe=recipe, backend=backend, device=device)
 
@@ -217,7 +218,9 @@ class GroupedCase(_Case):
 
     def shape(self) -> str:
         trailing = f" +{self.trailing} trailing" if self.trailing else ""
-        return f"E={len(self.counts)} rows={sum(self.counts)}{trailing} K={self.k} N={self.n} groups={list(self.counts)}"
+        return (
+            f"E={len(self.counts)} rows={sum(self.counts)}{trailing} K={self.k} N={self.n} groups={list(self.counts)}"
+        )
 
     def inputs(self, device: torch.device) -> tuple[torch.Tensor, ...]:
         gen = _generator(self.name)
@@ -232,6 +235,7 @@ class GroupedCase(_Case):
         """(out, grad_A, grad_W); ``recipe=None`` is the fp32 reference."""
         if recipe is None:
             return reference_grouped(*inputs)
+
         def fn(A, B_t, offs):
             return fp8_grouped_mm(A, B_t, offs, recipe=recipe, backend=backend, device=device)
 
@@ -257,27 +261,54 @@ DEFAULT_CASES = (
     LinearCase(name="m255", m=255, k=512, n=384, why=_M_NOT_16),
     LinearCase(name="m507", m=507, k=384, n=512, why=_M_NOT_16),
     LinearCase(name="m512", m=512, k=512, n=512, why="aligned baseline"),
-    LinearCase(name="k_unaligned", m=64, k=120, n=72,
-               why="K and N not multiples of 16: FP8 kernels refuse it, the emulation runs it"),
+    LinearCase(
+        name="k_unaligned",
+        m=64,
+        k=120,
+        n=72,
+        why="K and N not multiples of 16: FP8 kernels refuse it, the emulation runs it",
+    ),
     LinearCase(name="fnuz_range", m=128, k=256, n=256, why=_FNUZ_WHY, scales=_FNUZ_RANGE, fnuz=True),
-    GroupedCase(name="unbalanced", counts=unbalanced_counts(2048, 8, seed=1), k=512, n=256,
-                why="unbalanced groups (Primus-Turbo's draw)"),
-    GroupedCase(name="empty_groups", counts=(0, 300, 0, 517, 1, 0, 230, 0), k=256, n=256,
-                why="empty groups, first and last included"),
-    GroupedCase(name="trailing_rows", counts=(128, 64, 0, 192), trailing=48, k=256, n=128,
-                why="rows past offs[-1], as TorchTitan's padding dispatcher leaves"),
+    GroupedCase(
+        name="unbalanced",
+        counts=unbalanced_counts(2048, 8, seed=1),
+        k=512,
+        n=256,
+        why="unbalanced groups (Primus-Turbo's draw)",
+    ),
+    GroupedCase(
+        name="empty_groups",
+        counts=(0, 300, 0, 517, 1, 0, 230, 0),
+        k=256,
+        n=256,
+        why="empty groups, first and last included",
+    ),
+    GroupedCase(
+        name="trailing_rows",
+        counts=(128, 64, 0, 192),
+        trailing=48,
+        k=256,
+        n=128,
+        why="rows past offs[-1], as TorchTitan's padding dispatcher leaves",
+    ),
     GroupedCase(name="one_group", counts=(777,), k=256, n=128, why="a single group (G=1)"),
-    GroupedCase(name="32_groups", counts=unbalanced_counts(4096, 32, seed=2), k=256, n=128,
-                why="32 unbalanced groups"),
-    GroupedCase(name="fnuz_range", counts=(40, 0, 88), trailing=8, k=128, n=128, why=_FNUZ_WHY,
-                scales=_FNUZ_RANGE, fnuz=True),
+    GroupedCase(name="32_groups", counts=unbalanced_counts(4096, 32, seed=2), k=256, n=128, why="32 unbalanced groups"),
+    GroupedCase(
+        name="fnuz_range", counts=(40, 0, 88), trailing=8, k=128, n=128, why=_FNUZ_WHY, scales=_FNUZ_RANGE, fnuz=True
+    ),
 )
 
 QUICK_CASES = (
     LinearCase(name="m255", m=255, k=64, n=48, why=_M_NOT_16),
     LinearCase(name="fnuz_range", m=32, k=64, n=32, why=_FNUZ_WHY, scales=_FNUZ_RANGE, fnuz=True),
-    GroupedCase(name="empty_groups_trailing_rows", counts=(9, 0, 21, 6), trailing=5, k=64, n=32,
-                why="an empty group and rows past offs[-1]"),
+    GroupedCase(
+        name="empty_groups_trailing_rows",
+        counts=(9, 0, 21, 6),
+        trailing=5,
+        k=64,
+        n=32,
+        why="an empty group and rows past offs[-1]",
+    ),
 )
 
 
@@ -297,8 +328,13 @@ class Check:
         return self.sqnr_db >= self.threshold_db
 
     def to_json(self) -> dict:
-        return {"quantity": self.quantity, "against": self.against, "sqnr_db": db_value(self.sqnr_db),
-                "threshold_db": self.threshold_db, "passed": self.passed}
+        return {
+            "quantity": self.quantity,
+            "against": self.against,
+            "sqnr_db": db_value(self.sqnr_db),
+            "threshold_db": self.threshold_db,
+            "passed": self.passed,
+        }
 
 
 @dataclass
@@ -325,10 +361,18 @@ class Row:
 
     def to_json(self) -> dict:
         return {
-            "op": self.op, "recipe": self.recipe, "case": self.case, "shape": self.shape,
-            "device": self.device, "backend": self.backend, "definition": self.definition,
-            "routed": self.routed, "status": self.status, "reason": self.reason,
-            "checks": [c.to_json() for c in self.checks], "problems": self.problems,
+            "op": self.op,
+            "recipe": self.recipe,
+            "case": self.case,
+            "shape": self.shape,
+            "device": self.device,
+            "backend": self.backend,
+            "definition": self.definition,
+            "routed": self.routed,
+            "status": self.status,
+            "reason": self.reason,
+            "checks": [c.to_json() for c in self.checks],
+            "problems": self.problems,
             "differs_from": self.differs_from,
         }
 
@@ -391,13 +435,18 @@ def _judge(runs: list[_Run], reference, case, inputs) -> None:
     for first, second in combinations(runs, 2):  # the oracle comes first, so it is the reference
         if first.recipe.definition == second.recipe.definition:
             measured = sqnrs(first.outputs, second.outputs)
-            second.row.checks += [Check(q, first.row.backend, db, SAME_DEFINITION_BAR_DB) for q, db in zip(QUANTITIES, measured)]
+            second.row.checks += [
+                Check(q, first.row.backend, db, SAME_DEFINITION_BAR_DB) for q, db in zip(QUANTITIES, measured)
+            ]
         else:
             first.row.differs_from.append(second.row.label)
             second.row.differs_from.append(first.row.label)
     for run in runs:
-        failed = [f"{c.quantity} vs {c.against} {format_db(c.sqnr_db)} dB < {c.threshold_db:g}"
-                  for c in run.row.checks if not c.passed]
+        failed = [
+            f"{c.quantity} vs {c.against} {format_db(c.sqnr_db)} dB < {c.threshold_db:g}"
+            for c in run.row.checks
+            if not c.passed
+        ]
         run.row.status = "fail" if failed or run.row.problems else "pass"
         run.row.reason = "; ".join(run.row.problems + failed)
 
@@ -475,25 +524,49 @@ def render(rows: list[Row], profile: DeviceProfile, cases, required_missing: lis
     ran = [r for r in rows if r.status != "skipped"]
     skipped = [r for r in rows if r.status == "skipped"]
     lines = [
-        (f"titan-primus parity on {profile.describe()}: {len(cases)} shape cases x {len(RECIPE_NAMES)} recipes "
-         f"x {len(registry.backends())} backends"),
-        (f"bars: vs fp32 {E4M3_BAR_DB:g} dB (e4m3 GEMMs), {E5M2_BAR_DB:g} dB (GEMMs with an e5m2 operand), "
-         f"{HIGH_PRECISION_BAR_DB:g} dB (high-precision GEMMs); same definition {SAME_DEFINITION_BAR_DB:g} dB; "
-         "* = what backend=\"auto\" picks"),
+        (
+            f"titan-primus parity on {profile.describe()}: {len(cases)} shape cases x {len(RECIPE_NAMES)} recipes "
+            f"x {len(registry.backends())} backends"
+        ),
+        (
+            f"bars: vs fp32 {E4M3_BAR_DB:g} dB (e4m3 GEMMs), {E5M2_BAR_DB:g} dB (GEMMs with an e5m2 operand), "
+            f"{HIGH_PRECISION_BAR_DB:g} dB (high-precision GEMMs); same definition {SAME_DEFINITION_BAR_DB:g} dB; "
+            '* = what backend="auto" picks'
+        ),
         "",
     ]
     table = []
     for r in ran:
         fp32 = {c.quantity: c.sqnr_db for c in r.checks if c.against == "fp32"}
-        table.append([
-            r.op, r.recipe, r.case, r.device, r.label + (" *" if r.routed else ""),
-            *(format_db(fp32[q]) if q in fp32 else "-" for q in QUANTITIES),
-            _same_definition_cell(r), r.status,
-        ])
-    lines.append(markdown_table(
-        ["op", "recipe", "case", "profile", "backend (definition)", "out", "grad_in", "grad_w", "same definition", "status"],
-        table,
-    ))
+        table.append(
+            [
+                r.op,
+                r.recipe,
+                r.case,
+                r.device,
+                r.label + (" *" if r.routed else ""),
+                *(format_db(fp32[q]) if q in fp32 else "-" for q in QUANTITIES),
+                _same_definition_cell(r),
+                r.status,
+            ]
+        )
+    lines.append(
+        markdown_table(
+            [
+                "op",
+                "recipe",
+                "case",
+                "profile",
+                "backend (definition)",
+                "out",
+                "grad_in",
+                "grad_w",
+                "same definition",
+                "status",
+            ],
+            table,
+        )
+    )
     failed = [r for r in ran if r.status != "pass"]
     if failed:
         lines += ["", "failures:"] + [f"  {r.op}/{r.recipe}/{r.case} {r.label}: {r.status}: {r.reason}" for r in failed]
@@ -502,16 +575,23 @@ def render(rows: list[Row], profile: DeviceProfile, cases, required_missing: lis
         definitions[r.recipe, r.device].add(r.definition)
     differing = [(key, found) for key, found in definitions.items() if len(found) > 1]
     if differing:
-        lines += ["", ("recipes defined differently by the backends here (each compared with fp32 and the emulation "
-                       "of its own definition, not with each other):")]
+        lines += [
+            "",
+            (
+                "recipes defined differently by the backends here (each compared with fp32 and the emulation "
+                "of its own definition, not with each other):"
+            ),
+        ]
         lines += [f"  {recipe} on {device}: {' vs '.join(sorted(found))}" for (recipe, device), found in differing]
     if skipped:
         lines += ["", f"skipped ({len(skipped)} cells):", *skip_lines([(r.backend, r.reason) for r in skipped])]
     if required_missing:
         lines += ["", "required backends that did not run:"] + [f"  {p}" for p in required_missing]
     counts = Counter(r.status for r in rows)
-    totals = ", ".join(f"{counts[s]} {word}" for s, word in (("pass", "passed"), ("fail", "failed"),
-                                                            ("error", "errors"), ("skipped", "skipped")))
+    totals = ", ".join(
+        f"{counts[s]} {word}"
+        for s, word in (("pass", "passed"), ("fail", "failed"), ("error", "errors"), ("skipped", "skipped"))
+    )
     lines += ["", f"{totals} in {seconds:.1f} s"]
     return "\n".join(lines) + "\n"
 
@@ -552,7 +632,15 @@ def command(device: str | None, quick: bool, required: list[str], json_path: str
     if json_path:
         summary = {status: counts[status] for status in ("pass", "fail", "error", "skipped")}
         summary.update(required_missing=missing, ok=ok, seconds=round(seconds, 2))
-        write_document(json_path, document("parity", environment(profile), _settings(profile, cases, quick, required),
-                                           [r.to_json() for r in rows], summary))
+        write_document(
+            json_path,
+            document(
+                "parity",
+                environment(profile),
+                _settings(profile, cases, quick, required),
+                [r.to_json() for r in rows],
+                summary,
+            ),
+        )
         out.write(f"JSON written to {json_path}\n")
     return 0 if ok else 1

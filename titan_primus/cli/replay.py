@@ -46,14 +46,19 @@ def _for_backend(record: GemmRecord, backend) -> GemmRecord | str:
         return f"the weight was captured as FSDP2 gathered it, in FP8, and {taken.reason}"
     if backend.name == "emulated":
         return record
-    rebuilt = backend.gathered_weight(weight.fp8_data(), weight.scale(), weight.dtype, record.recipe, weight._source_dtype)
+    rebuilt = backend.gathered_weight(
+        weight.fp8_data(), weight.scale(), weight.dtype, record.recipe, weight._source_dtype
+    )
     return GemmRecord(**{**record.__dict__, "operands": (record.operands[0], rebuilt, record.operands[2])})
 
 
 def _row(source: str, check=None, status: str = "", reason: str = "") -> dict:
     quantities = {q.quantity: q for q in check.quantities} if check else {}
     return {
-        "op": check.record.op if check else None, "case": "replay", "backend": source, "status": status,
+        "op": check.record.op if check else None,
+        "case": "replay",
+        "backend": source,
+        "status": status,
         "reason": reason or ("; ".join(check.problems) if check else ""),
         "checks": [q.to_json() for q in quantities.values()],
         "sqnr_db": {q: format_db(quantities[q].sqnr_db) if q in quantities else "-" for q in QUANTITIES},
@@ -69,10 +74,16 @@ def replay(path: str, device: str | None) -> tuple[list[dict], object, object]:
         raise ValueError(f"{path}: the captured operands are not finite; there is nothing to re-compute")
     backward = finite(record.tensors["grad_output"])  # else forward only: the gradient came in non-finite
     reference = recompute(record, backward=backward)
-    captured = judge(record, reference, record.tensors if backward else {"out": record.tensors["out"]},
-                     record.bit_exact)
-    rows = [_row(f"captured ({record.backend}, training machine)", captured,
-                 "reproduced" if captured.problems else "not reproduced")]
+    captured = judge(
+        record, reference, record.tensors if backward else {"out": record.tensors["out"]}, record.bit_exact
+    )
+    rows = [
+        _row(
+            f"captured ({record.backend}, training machine)",
+            captured,
+            "reproduced" if captured.problems else "not reproduced",
+        )
+    ]
     k, n = _dims(record)
     for backend in registry.backends().values():
         reason = why_not(backend, record.op, record.recipe.name, profile, k=k, n=n)
@@ -101,25 +112,35 @@ def render(rows: list[dict], capture, path: str, seconds: float) -> str:
         "reference: the emulation of the same recipe definition, here",
     ]
     if capture.tensor_parallel:
-        lines.append("note: captured under tensor parallelism: this is one rank's shard, re-computed here without "
-                     "the amax reductions across the TP group, so scales may differ from the training run's")
+        lines.append(
+            "note: captured under tensor parallelism: this is one rank's shard, re-computed here without "
+            "the amax reductions across the TP group, so scales may differ from the training run's"
+        )
     lines.append("")
     ran = [r for r in rows if r["status"] != "skipped"]
-    lines.append(markdown_table(
-        ["source", *QUANTITIES, "status"],
-        [[r["backend"], *(r["sqnr_db"][q] for q in QUANTITIES), r["status"]] for r in ran],
-    ))
+    lines.append(
+        markdown_table(
+            ["source", *QUANTITIES, "status"],
+            [[r["backend"], *(r["sqnr_db"][q] for q in QUANTITIES), r["status"]] for r in ran],
+        )
+    )
     if ran[0]["status"] == "not reproduced":
-        lines += ["", "the captured outputs agree with the emulation here: the breach does not follow from these inputs "
-                      "alone (a non-deterministic kernel, or state outside this GEMM call)"]
+        lines += [
+            "",
+            "the captured outputs agree with the emulation here: the breach does not follow from these inputs "
+            "alone (a non-deterministic kernel, or state outside this GEMM call)",
+        ]
     problems = [r for r in ran[1:] if r["reason"]]  # the captured row's are the breach, listed above
     if problems:
         lines += ["", *(f"{r['backend']}: {r['reason']}" for r in problems)]
     skipped = [r for r in rows if r["status"] == "skipped"]
     if skipped:
         lines += ["", "skipped here:", *(f"  {r['backend']}: {r['reason']}" for r in skipped)]
-    lines += ["", f"{sum(r['status'] == 'pass' for r in ran)} backends agree with the emulation, "
-                  f"{sum(r['status'] in ('fail', 'error') for r in ran)} do not, in {seconds:.1f} s"]
+    lines += [
+        "",
+        f"{sum(r['status'] == 'pass' for r in ran)} backends agree with the emulation, "
+        f"{sum(r['status'] in ('fail', 'error') for r in ran)} do not, in {seconds:.1f} s",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -133,11 +154,23 @@ def command(path: str, device: str | None, json_path: str | None, out) -> int:
     failed = [r for r in rows[1:] if r["status"] in ("fail", "error")]
     if json_path:
         record = capture.record
-        settings = {"capture": path, "layer": record.layer, "gemm": record.gemm, "op": record.op, "step": capture.step,
-                    "rank": capture.rank, "captured_backend": record.backend, "recipe": record.recipe.describe(),
-                    "breach": capture.problems}
-        summary = {"reproduced": rows[0]["status"] == "reproduced", "failed": len(failed), "ok": not failed,
-                   "seconds": round(seconds, 2)}
+        settings = {
+            "capture": path,
+            "layer": record.layer,
+            "gemm": record.gemm,
+            "op": record.op,
+            "step": capture.step,
+            "rank": capture.rank,
+            "captured_backend": record.backend,
+            "recipe": record.recipe.describe(),
+            "breach": capture.problems,
+        }
+        summary = {
+            "reproduced": rows[0]["status"] == "reproduced",
+            "failed": len(failed),
+            "ok": not failed,
+            "seconds": round(seconds, 2),
+        }
         write_document(json_path, document("replay", environment(profile), settings, rows, summary))
         out.write(f"JSON written to {json_path}\n")
     return 1 if failed else 0

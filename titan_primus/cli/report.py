@@ -162,8 +162,11 @@ def _side_by_side(columns: list[tuple[str, list[dict]]], key, key_header: list[s
 
 
 def _ran(labelled: list[tuple[str, dict]], kind: str, keep=lambda row: True) -> list[tuple[str, list[dict]]]:
-    return [(label, [r for r in doc["results"] if r["status"] != "skipped" and keep(r)])
-            for label, doc in labelled if doc["kind"] == kind]
+    return [
+        (label, [r for r in doc["results"] if r["status"] != "skipped" and keep(r)])
+        for label, doc in labelled
+        if doc["kind"] == kind
+    ]
 
 
 def _parity_cell(row: dict) -> str:
@@ -192,29 +195,63 @@ def render_markdown(labelled: list[tuple[str, dict]]) -> str:
     out = ["# titan-primus results", "", _environment_table(labelled)]
     if any(doc["kind"] == "parity" for _, doc in labelled):
         out += [
-            "", "## Parity: what backend=\"auto\" runs, SQNR vs fp32 in dB (out / grad_input / grad_weight)", "",
-            _side_by_side(_ran(labelled, "parity", lambda r: r["routed"]), lambda r: (r["op"], r["recipe"], r["case"]),
-                          ["op", "recipe", "case"], lambda r: f"{r['backend']}: {_parity_cell(r)}", group=2),
-            "", "## Parity: every backend that ran (and the emulation of each definition)", "",
-            _side_by_side(_ran(labelled, "parity"),
-                          lambda r: (r["op"], r["recipe"], r["case"], f"{r['backend']} ({r['definition']})"),
-                          ["op", "recipe", "case", "backend (definition)"], _parity_cell, group=3),
+            "",
+            '## Parity: what backend="auto" runs, SQNR vs fp32 in dB (out / grad_input / grad_weight)',
+            "",
+            _side_by_side(
+                _ran(labelled, "parity", lambda r: r["routed"]),
+                lambda r: (r["op"], r["recipe"], r["case"]),
+                ["op", "recipe", "case"],
+                lambda r: f"{r['backend']}: {_parity_cell(r)}",
+                group=2,
+            ),
+            "",
+            "## Parity: every backend that ran (and the emulation of each definition)",
+            "",
+            _side_by_side(
+                _ran(labelled, "parity"),
+                lambda r: (r["op"], r["recipe"], r["case"], f"{r['backend']} ({r['definition']})"),
+                ["op", "recipe", "case", "backend (definition)"],
+                _parity_cell,
+                group=3,
+            ),
         ]
     if any(doc["kind"] == "bench" for _, doc in labelled):
         out += [
-            "", "## Bench: forward+backward", "",
-            _side_by_side(_ran(labelled, "bench"), lambda r: (r["op"], r["case"], r["recipe"] or "-", r["backend"]),
-                          ["op", "case", "recipe", "backend"], _bench_cell, group=2),
+            "",
+            "## Bench: forward+backward",
+            "",
+            _side_by_side(
+                _ran(labelled, "bench"),
+                lambda r: (r["op"], r["case"], r["recipe"] or "-", r["backend"]),
+                ["op", "case", "recipe", "backend"],
+                _bench_cell,
+                group=2,
+            ),
         ]
     if any(doc["kind"] == "memory" for _, doc in labelled):
         memory = [(label, doc) for label, doc in labelled if doc["kind"] == "memory"]
         out += [
-            "", "## Memory: bytes a converted layer keeps from forward to backward, besides its parameter", "",
-            _side_by_side(_ran(memory, "memory"), lambda r: (r["op"], r["recipe"], r["case"], r["backend"]),
-                          ["op", "recipe", "path", "backend"], _memory_cell, group=2),
-            "", "## Memory per rank, GiB, total without / with full activation checkpointing (a MODEL)", "",
-            _side_by_side([(label, doc.get("estimates", [])) for label, doc in memory],
-                          lambda e: (e["model"], e["column"]), ["model", "column"], _estimate_cell, group=1),
+            "",
+            "## Memory: bytes a converted layer keeps from forward to backward, besides its parameter",
+            "",
+            _side_by_side(
+                _ran(memory, "memory"),
+                lambda r: (r["op"], r["recipe"], r["case"], r["backend"]),
+                ["op", "recipe", "path", "backend"],
+                _memory_cell,
+                group=2,
+            ),
+            "",
+            "## Memory per rank, GiB, total without / with full activation checkpointing (a MODEL)",
+            "",
+            _side_by_side(
+                [(label, doc.get("estimates", [])) for label, doc in memory],
+                lambda e: (e["model"], e["column"]),
+                ["model", "column"],
+                _estimate_cell,
+                group=1,
+            ),
         ]
     return "\n".join(out) + "\n"
 
@@ -223,8 +260,10 @@ def _memory_cell(row: dict) -> str:
     if row["status"] != "ok":
         return row["status"]
     kept = row["kept"]
-    return (f"{row['kept_bytes']:,} B (FP8 {kept['activation_fp8']:,}, other act. {kept['activation_hp']:,}, "
-            f"weight copies {kept['weight_copy']:,})")
+    return (
+        f"{row['kept_bytes']:,} B (FP8 {kept['activation_fp8']:,}, other act. {kept['activation_hp']:,}, "
+        f"weight copies {kept['weight_copy']:,})"
+    )
 
 
 def _estimate_cell(row: dict) -> str:
@@ -248,15 +287,19 @@ def _headroom(row: dict) -> float:
 def plot_sqnr_png(labelled: list[tuple[str, dict]], path: str) -> None:
     """Per case and backend, the headroom of SQNR vs fp32 over its bar; one panel per parity file."""
     plt = _pyplot()
-    parity = [(label, [r for r in doc["results"] if r["status"] != "skipped"])
-              for label, doc in labelled if doc["kind"] == "parity"]
+    parity = [
+        (label, [r for r in doc["results"] if r["status"] != "skipped"])
+        for label, doc in labelled
+        if doc["kind"] == "parity"
+    ]
     if not parity:
         raise ResultsFileError("--png plots parity SQNR, and none of the files is a parity run")
     cases = list(dict.fromkeys(f"{r['op']} {r['recipe']} {r['case']}" for _, rows in parity for r in rows))
     series = list(dict.fromkeys(_series(r) for _, rows in parity for r in rows))
     colors = {name: f"C{i % 10}" for i, name in enumerate(series)}  # one colour per backend in every panel
-    fig, axes = plt.subplots(1, len(parity), figsize=(6 * len(parity) + 3, 0.3 * len(cases) + 2.5),
-                             squeeze=False, sharey=True)
+    fig, axes = plt.subplots(
+        1, len(parity), figsize=(6 * len(parity) + 3, 0.3 * len(cases) + 2.5), squeeze=False, sharey=True
+    )
     height = 0.8 / len(series)
     for ax, (label, rows) in zip(axes[0], parity):
         for s, name in enumerate(series):
@@ -267,8 +310,10 @@ def plot_sqnr_png(labelled: list[tuple[str, dict]], path: str) -> None:
             ax.barh(ys, widths, height, color=colors[name], edgecolor=edges, linewidth=1.5, label=name)
         ax.axvline(0, color="black", linewidth=0.8)
         ax.set_title(label, fontsize=9)
-        ax.set_xlabel(f"dB above the bar vs fp32 (tightest of out, grad_input, grad_weight; capped at {_PLOT_CEILING_DB:g})",
-                      fontsize=7)
+        ax.set_xlabel(
+            f"dB above the bar vs fp32 (tightest of out, grad_input, grad_weight; capped at {_PLOT_CEILING_DB:g})",
+            fontsize=7,
+        )
     axes[0, 0].set_yticks([i + 0.4 - height / 2 for i in range(len(cases))], cases, fontsize=7)
     axes[0, 0].invert_yaxis()
     handles, names = axes[0, 0].get_legend_handles_labels()
@@ -292,11 +337,19 @@ def plot_memory_png(labelled: list[tuple[str, dict]], path: str) -> None:
     """Per audited layer, the bytes it keeps for backward stacked by kind (weight copies in red);
     one panel per memory file."""
     plt = _pyplot()
-    memory = [(label, [r for r in doc["results"] if r["status"] == "ok"]) for label, doc in labelled if doc["kind"] == "memory"]
+    memory = [
+        (label, [r for r in doc["results"] if r["status"] == "ok"])
+        for label, doc in labelled
+        if doc["kind"] == "memory"
+    ]
     if not memory:
         raise ResultsFileError("no file is a bench --memory run")
-    cases = list(dict.fromkeys(f"{r['backend']} {r['recipe']} {r['op']} {r['case']}" for _, rows in memory for r in rows))
-    fig, axes = plt.subplots(1, len(memory), figsize=(6 * len(memory) + 3, 0.25 * len(cases) + 2.5), squeeze=False, sharey=True)
+    cases = list(
+        dict.fromkeys(f"{r['backend']} {r['recipe']} {r['op']} {r['case']}" for _, rows in memory for r in rows)
+    )
+    fig, axes = plt.subplots(
+        1, len(memory), figsize=(6 * len(memory) + 3, 0.25 * len(cases) + 2.5), squeeze=False, sharey=True
+    )
     for ax, (label, rows) in zip(axes[0], memory):
         left = [0.0] * len(cases)
         for category, color in _MEMORY_COLORS.items():

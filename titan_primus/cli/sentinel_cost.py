@@ -34,8 +34,18 @@ def sentinel_cost(shapes, recipe: str, timing, profile, step_fn, time_ms) -> lis
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rows = []
     for shape in shapes:
-        row = {"op": shape.op, "case": shape.name, "shape": shape.describe(), "recipe": recipe, "backend": None,
-               "plain_ms": None, "watched_ms": None, "checked_ms": None, "status": "skipped", "reason": ""}
+        row = {
+            "op": shape.op,
+            "case": shape.name,
+            "shape": shape.describe(),
+            "recipe": recipe,
+            "backend": None,
+            "plain_ms": None,
+            "watched_ms": None,
+            "checked_ms": None,
+            "status": "skipped",
+            "reason": "",
+        }
         rows.append(row)
         try:
             decision = select_backend(shape.op, recipe, profile, k=shape.k, n=shape.n)
@@ -63,15 +73,32 @@ def sentinel_cost(shapes, recipe: str, timing, profile, step_fn, time_ms) -> lis
 
 
 def render_sentinel_cost(rows: list[dict]) -> str:
-    lines = ["numerics sentinel cost per layer GEMM (forward+backward, ms): every step pays watched - plain per GEMM "
-             "call of each converted layer; a checked step pays checked - watched once (docs/sentinel.md)"]
+    lines = [
+        "numerics sentinel cost per layer GEMM (forward+backward, ms): every step pays watched - plain per GEMM "
+        "call of each converted layer; a checked step pays checked - watched once (docs/sentinel.md)"
+    ]
     table = []
     for r in rows:
         if r["status"] != "ok":
             continue
-        table.append([r["op"], r["case"], r["shape"], r["backend"], r["recipe"], f"{r['plain_ms']:.3g}",
-                      f"{r['watched_ms']:.3g}", f"{r['checked_ms']:.3g}",
-                      f"{r['watched_ms'] - r['plain_ms']:+.3g}", f"{r['checked_ms'] - r['watched_ms']:+.3g}"])
-    lines.append(markdown_table(["op", "case", "shape", "backend", "recipe", "plain", "watched", "checked",
-                                 "every step", "checked step"], table))
+        table.append(
+            [
+                r["op"],
+                r["case"],
+                r["shape"],
+                r["backend"],
+                r["recipe"],
+                f"{r['plain_ms']:.3g}",
+                f"{r['watched_ms']:.3g}",
+                f"{r['checked_ms']:.3g}",
+                f"{r['watched_ms'] - r['plain_ms']:+.3g}",
+                f"{r['checked_ms'] - r['watched_ms']:+.3g}",
+            ]
+        )
+    lines.append(
+        markdown_table(
+            ["op", "case", "shape", "backend", "recipe", "plain", "watched", "checked", "every step", "checked step"],
+            table,
+        )
+    )
     return "\n".join(lines) + "\n"

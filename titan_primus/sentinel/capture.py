@@ -40,15 +40,25 @@ def _rebuild_recipe(fields: dict) -> Fp8Recipe:
 
 def _operand(t):
     if isinstance(t, Fp8GatheredWeight):  # a weight FSDP2 gathered in FP8: its payload and scale
-        return {"fp8": t.fp8_data().cpu(), "scale": t.scale().cpu(), "dtype": str(t.dtype),
-                "source_dtype": str(t._source_dtype), "reciprocal": t._reciprocal}
+        return {
+            "fp8": t.fp8_data().cpu(),
+            "scale": t.scale().cpu(),
+            "dtype": str(t.dtype),
+            "source_dtype": str(t._source_dtype),
+            "reciprocal": t._reciprocal,
+        }
     return t.detach().cpu() if isinstance(t, torch.Tensor) else t
 
 
 def _restore(entry, device: torch.device):
     if isinstance(entry, dict):
-        return Fp8GatheredWeight(entry["fp8"].to(device), entry["scale"].to(device), _dtype(entry["dtype"]),
-                                 entry["reciprocal"], _dtype(entry["source_dtype"]))
+        return Fp8GatheredWeight(
+            entry["fp8"].to(device),
+            entry["scale"].to(device),
+            _dtype(entry["dtype"]),
+            entry["reciprocal"],
+            _dtype(entry["source_dtype"]),
+        )
     return entry.to(device) if isinstance(entry, torch.Tensor) else entry
 
 
@@ -61,15 +71,26 @@ def save_capture(folder: str, record: GemmRecord, step: int, rank: int, problems
     directory.mkdir(parents=True, exist_ok=True)
     layer = re.sub(r"[^A-Za-z0-9_.-]", "_", record.layer)
     path = directory / f"step{step:07d}-rank{rank}-{layer}-gemm{record.gemm}.pt"
-    torch.save({
-        "format": FORMAT,
-        "layer": record.layer, "gemm": record.gemm, "op": record.op, "step": step, "rank": rank,
-        "backend": record.backend, "bit_exact": record.bit_exact, "recipe": _recipe_fields(record.recipe),
-        "operands": [_operand(t) for t in record.operands], "needs_grad": list(record.needs_grad),
-        "tensor_parallel": record.shards is not None,
-        "tensors": {name: t.detach().cpu() for name, t in record.tensors.items()},
-        "problems": list(problems), "torch": str(torch.__version__),
-    }, path)
+    torch.save(
+        {
+            "format": FORMAT,
+            "layer": record.layer,
+            "gemm": record.gemm,
+            "op": record.op,
+            "step": step,
+            "rank": rank,
+            "backend": record.backend,
+            "bit_exact": record.bit_exact,
+            "recipe": _recipe_fields(record.recipe),
+            "operands": [_operand(t) for t in record.operands],
+            "needs_grad": list(record.needs_grad),
+            "tensor_parallel": record.shards is not None,
+            "tensors": {name: t.detach().cpu() for name, t in record.tensors.items()},
+            "problems": list(problems),
+            "torch": str(torch.__version__),
+        },
+        path,
+    )
     return path
 
 
@@ -94,8 +115,13 @@ def load_capture(path: str, device: torch.device | str = "cpu") -> Capture:
         raise ValueError(f"{path}: not a titan-primus sentinel capture (expected format {FORMAT!r})")
     device = torch.device(device)
     record = GemmRecord(
-        layer=data["layer"], gemm=data["gemm"], op=data["op"], backend=data["backend"], bit_exact=data["bit_exact"],
-        recipe=_rebuild_recipe(data["recipe"]), operands=tuple(_restore(t, device) for t in data["operands"]),
+        layer=data["layer"],
+        gemm=data["gemm"],
+        op=data["op"],
+        backend=data["backend"],
+        bit_exact=data["bit_exact"],
+        recipe=_rebuild_recipe(data["recipe"]),
+        operands=tuple(_restore(t, device) for t in data["operands"]),
         needs_grad=tuple(data["needs_grad"]),
         tensors={name: t.to(device) for name, t in data["tensors"].items()},
     )

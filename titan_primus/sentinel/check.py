@@ -22,8 +22,20 @@ from ..fsdp_fp8 import Fp8GatheredWeight
 from ..metrics import sqnr
 from ..recipes import Fp8Recipe
 
-__all__ = ["QUANTITIES", "FLOOR_DB", "ROW_FLOOR_DB", "GemmCheck", "GemmRecord", "QuantityCheck", "check_record",
-           "compare", "finite", "judge", "recompute", "snapshot"]
+__all__ = [
+    "QUANTITIES",
+    "FLOOR_DB",
+    "ROW_FLOOR_DB",
+    "GemmCheck",
+    "GemmRecord",
+    "QuantityCheck",
+    "check_record",
+    "compare",
+    "finite",
+    "judge",
+    "recompute",
+    "snapshot",
+]
 
 QUANTITIES = ("out", "grad_input", "grad_weight")
 FLOOR_DB = SAME_DEFINITION_BAR_DB
@@ -88,9 +100,15 @@ class QuantityCheck:
     differing_rows: list[int]
 
     def to_json(self) -> dict:
-        return {"quantity": self.quantity, "sqnr_db": self.sqnr_db if math.isfinite(self.sqnr_db) else str(self.sqnr_db),
-                "bitwise_equal": self.bitwise_equal, "finite": self.finite, "rows": self.rows,
-                "differing_rows": len(self.differing_rows), "first_differing_rows": self.differing_rows[:8]}
+        return {
+            "quantity": self.quantity,
+            "sqnr_db": self.sqnr_db if math.isfinite(self.sqnr_db) else str(self.sqnr_db),
+            "bitwise_equal": self.bitwise_equal,
+            "finite": self.finite,
+            "rows": self.rows,
+            "differing_rows": len(self.differing_rows),
+            "first_differing_rows": self.differing_rows[:8],
+        }
 
 
 @dataclass
@@ -150,8 +168,12 @@ def compare(quantity: str, reference: torch.Tensor, actual: torch.Tensor, bitwis
         noise = (ref - act).pow(2).sum(-1)
         wrong = ~finite_rows | (noise > ref.pow(2).sum(-1) * 10 ** (-ROW_FLOOR_DB / 10))
     return QuantityCheck(
-        quantity, sqnr(reference, actual), reference.dtype == actual.dtype and torch.equal(reference, actual),
-        bool(finite_rows.all()), ref.shape[0], wrong.nonzero().flatten().tolist(),
+        quantity,
+        sqnr(reference, actual),
+        reference.dtype == actual.dtype and torch.equal(reference, actual),
+        bool(finite_rows.all()),
+        ref.shape[0],
+        wrong.nonzero().flatten().tolist(),
     )
 
 
@@ -212,7 +234,9 @@ def _problems(check: QuantityCheck, record: GemmRecord, bit_exact: bool) -> list
     if check.sqnr_db < FLOOR_DB:
         return [f"{q} SQNR {_db(check.sqnr_db)} < {FLOOR_DB:g} dB vs the emulation ({rows})"]
     if check.differing_rows:
-        return [f"{q}: {rows} by more than the row floor ({ROW_FLOOR_DB:g} dB), though its SQNR is {_db(check.sqnr_db)}"]
+        return [
+            f"{q}: {rows} by more than the row floor ({ROW_FLOOR_DB:g} dB), though its SQNR is {_db(check.sqnr_db)}"
+        ]
     return []
 
 

@@ -101,8 +101,11 @@ class NonFinite:
 
     def describe(self) -> str:
         values = ", ".join(f"max|{q}| {v:.4g}" for q, v in self.magnitudes.items())
-        what = f"{' and '.join(self.made)} non-finite from finite inputs" if self.made else (
-            f"{' and '.join(self.bad)} non-finite")
+        what = (
+            f"{' and '.join(self.made)} non-finite from finite inputs"
+            if self.made
+            else (f"{' and '.join(self.bad)} non-finite")
+        )
         return f"{self.layer} (call {self.gemm}, backend {self.backend}): {what} ({values})"
 
 
@@ -126,13 +129,17 @@ class StepReport:
             if len(sources) > _LISTED:
                 found.append(f"... and by {len(sources) - _LISTED} more calls (in call order; the first came first)")
         elif self.non_finite:
-            found.append(f"non-finite values reached the converted layers from elsewhere, first at {self.non_finite[0].describe()}")
+            found.append(
+                f"non-finite values reached the converted layers from elsewhere, first at {self.non_finite[0].describe()}"
+            )
         return found
 
     def metrics(self) -> dict[str, float]:
         """Scalars for TorchTitan's metric loggers (TensorBoard, W&B), prefixed ``sentinel/``."""
-        metrics = {"sentinel/breaches": float(len(self.breaches)),
-                   "sentinel/non_finite_calls": float(len(self.non_finite))}
+        metrics = {
+            "sentinel/breaches": float(len(self.breaches)),
+            "sentinel/non_finite_calls": float(len(self.non_finite)),
+        }
         if self.checks:
             metrics["sentinel/check_ms"] = self.check_ms
             compared = [q for c in self.checks for q in c.quantities]
@@ -206,7 +213,9 @@ class Sentinel:
                 "titan-primus numerics sentinel: on (policy %s): every %d steps one of %d converted layers is "
                 "re-computed with the exact emulation of its recipe (round robin); every converted layer's outputs "
                 "and gradients are checked for NaN/inf on every step",
-                self.options.policy, self.options.interval, len(self.layers),
+                self.options.policy,
+                self.options.interval,
+                len(self.layers),
             )
 
     def finish_step(self) -> StepReport | None:
@@ -219,8 +228,14 @@ class Sentinel:
         non_finite = self._non_finite()
         checks = [check_record(r) for r in self._records if r.complete]
         _synchronize(checks)
-        report = StepReport(self.step, self._checked.name if self._checked else None, checks, non_finite,
-                            (time.perf_counter() - started) * 1000, [])
+        report = StepReport(
+            self.step,
+            self._checked.name if self._checked else None,
+            checks,
+            non_finite,
+            (time.perf_counter() - started) * 1000,
+            [],
+        )
         self._reset_step_state()
         if report.checks or report.non_finite:
             self.reports.append(report)
@@ -258,10 +273,18 @@ class Sentinel:
                 report.captures.append(str(path))
         if report.checks:
             layer = report.checks[0].record
-            figures = "; ".join(f"call {c.record.gemm}: {c.figures()}" if len(report.checks) > 1 else c.figures()
-                                for c in report.checks)
-            logger.info("titan-primus sentinel: step %d: %s (%s, %s): %s; check %.1f ms", report.step, layer.layer,
-                        layer.backend, layer.recipe.describe(), figures, report.check_ms)
+            figures = "; ".join(
+                f"call {c.record.gemm}: {c.figures()}" if len(report.checks) > 1 else c.figures() for c in report.checks
+            )
+            logger.info(
+                "titan-primus sentinel: step %d: %s (%s, %s): %s; check %.1f ms",
+                report.step,
+                layer.layer,
+                layer.backend,
+                layer.recipe.describe(),
+                figures,
+                report.check_ms,
+            )
         stop = self.options.policy == "stop" and _any_rank(bool(breaches))
         if not breaches and not stop:
             return
@@ -306,8 +329,15 @@ class Sentinel:
         record = None
         if layer is self._checked and not any(r.gemm == layer.gemm and r.complete for r in self._records):
             record = GemmRecord(
-                layer.name, layer.gemm, op, backend.name, backend.bit_exact_with_emulation(op, recipe), recipe,
-                tuple(snapshot(t, recipe) for t in operands), (a.requires_grad, b.requires_grad), shards,
+                layer.name,
+                layer.gemm,
+                op,
+                backend.name,
+                backend.bit_exact_with_emulation(op, recipe),
+                recipe,
+                tuple(snapshot(t, recipe) for t in operands),
+                (a.requires_grad, b.requires_grad),
+                shards,
                 {"out": out.detach().clone()},
             )
             self._records.append(record)

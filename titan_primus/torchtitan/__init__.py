@@ -13,7 +13,10 @@ try:
     from .modules import Fp8Linear, fp8_experts_class
 except ImportError as e:
     raise adapter_import_error(
-        e, adapter="titan_primus.torchtitan (Float8Converter)", line="0.3", extra="torchtitan",
+        e,
+        adapter="titan_primus.torchtitan (Float8Converter)",
+        line="0.3",
+        extra="torchtitan",
         line_module="torchtitan.protocols.model",
         instead="On TorchTitan 0.2.x use titan_primus.torchtitan02 through [experimental] custom_import",
     ) from e

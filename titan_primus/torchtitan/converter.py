@@ -127,13 +127,23 @@ class Float8Converter(QuantizationConverter):
         for fqn, linear, parent, attr in list(model_config.traverse(Linear.Config)):
             custom = type(linear) is not Linear.Config
             decision = self.router.linear(
-                fqn, linear.in_features, linear.out_features,
-                unconvertible=f"{type(linear).__qualname__} has its own forward, which FP8 would replace" if custom else None,
+                fqn,
+                linear.in_features,
+                linear.out_features,
+                unconvertible=f"{type(linear).__qualname__} has its own forward, which FP8 would replace"
+                if custom
+                else None,
             )
             if decision is not None:
                 all_gather = self.router.fp8_all_gather("linear", fqn, shared_with=tied.get(fqn))
-                new = _copy_as(linear, Fp8Linear.Config, fp8_backend=decision.backend_name, fp8_recipe=decision.recipe,
-                               fp8_all_gather=all_gather, fp8_sentinel=self._watched(fqn))
+                new = _copy_as(
+                    linear,
+                    Fp8Linear.Config,
+                    fp8_backend=decision.backend_name,
+                    fp8_recipe=decision.recipe,
+                    fp8_all_gather=all_gather,
+                    fp8_sentinel=self._watched(fqn),
+                )
                 model_config = _replace(model_config, parent, attr, new)
         return model_config
 
@@ -146,7 +156,13 @@ class Float8Converter(QuantizationConverter):
             if alignment:
                 swap_token_dispatcher(parent, alignment)  # ``parent`` is RoutedExperts.Config
             cls = fp8_experts_class(type(experts)._owner)
-            new = _copy_as(experts, cls.Config, fp8_backend=decision.backend_name, fp8_recipe=decision.recipe,
-                           fp8_all_gather=self.router.fp8_all_gather("grouped_mm"), fp8_sentinel=self._watched(fqn))
+            new = _copy_as(
+                experts,
+                cls.Config,
+                fp8_backend=decision.backend_name,
+                fp8_recipe=decision.recipe,
+                fp8_all_gather=self.router.fp8_all_gather("grouped_mm"),
+                fp8_sentinel=self._watched(fqn),
+            )
             model_config = _replace(model_config, parent, attr, new)
         return model_config

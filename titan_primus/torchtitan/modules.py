@@ -60,8 +60,11 @@ class _Fp8Module:
 
     def parallelize(self, parallel_dims) -> None:
         check_parallelism(
-            type(self).__name__, parallel_dims, (self.fp8_backend, self.fp8_recipe),
-            experts=self.covers_experts, passes_shards=not self.covers_experts,
+            type(self).__name__,
+            parallel_dims,
+            (self.fp8_backend, self.fp8_recipe),
+            experts=self.covers_experts,
+            passes_shards=not self.covers_experts,
         )
         # Unwrapped before TorchTitan distributes or annotates the weights where FSDP2 is not
         # the only one to shard them (check_parallelism refuses TP for experts, and EP for

@@ -30,7 +30,10 @@ def fp8(model_config: BaseModel.Config, **converter_options) -> BaseModel.Config
     return Float8Converter.Config(**converter_options).build().convert(model_config)
 
 
-@override(target=SelectiveAC.Config, exact=True,
-          description="titan-primus: selective activation checkpointing that saves the FP8 GEMMs")
+@override(
+    target=SelectiveAC.Config,
+    exact=True,
+    description="titan-primus: selective activation checkpointing that saves the FP8 GEMMs",
+)
 def fp8_selective_ac(ac_config: SelectiveAC.Config) -> Fp8SelectiveAC.Config:
     return with_fp8_gemms_saved(ac_config)

@@ -27,7 +27,10 @@ try:
     from .modules import Fp8GroupedExperts, Fp8Linear
 except ImportError as e:
     raise adapter_import_error(
-        e, adapter="titan_primus.torchtitan02", line="0.2.x", extra="torchtitan02",
+        e,
+        adapter="titan_primus.torchtitan02",
+        line="0.2.x",
+        extra="torchtitan02",
         line_module="torchtitan.protocols.model_converter",
         instead="On TorchTitan 0.3 use the 0.3 adapter: --module titan_primus --config <stock>_fp8",
     ) from e

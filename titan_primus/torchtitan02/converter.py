@@ -40,7 +40,8 @@ def _options(job_config) -> ConversionOptions:
     if options is None:
         logger.info(
             "titan-primus: no [%s] options in the job config (set [job] custom_config_module = "
-            "\"titan_primus.torchtitan02\" to read them); using the defaults", OPTIONS_SECTION,
+            '"titan_primus.torchtitan02" to read them); using the defaults',
+            OPTIONS_SECTION,
         )
         return ConversionOptions()
     if not isinstance(options, ConversionOptions):
@@ -156,7 +157,6 @@ class Float8Converter:
         precompute_fp8_weight_amaxes(p for part in parts for p in part.parameters())
 
 
-
 def _owners_of_shared_parameters(model: nn.Module) -> dict:
     """Parameter -> the ``module.name`` of every place holding it, for parameters held in more
     than one place (tied weights: qwen3's output projection shares the token embedding's)."""
@@ -179,7 +179,8 @@ def save_fp8_gemms_under_selective_ac(model_name: str) -> None:
     if not isinstance(save_list, set):
         logger.warning(
             "titan-primus: %s's parallelize function has no _op_sac_save_list: with selective per-op "
-            "activation checkpointing its FP8 GEMMs run again in backward", model_name,
+            "activation checkpointing its FP8 GEMMs run again in backward",
+            model_name,
         )
         return
     save_list.update(fp8_gemm_save_ops())

@@ -61,7 +61,10 @@ class Fp8GroupedExperts(GroupedExperts):
 
     @classmethod
     def from_experts(
-        cls, experts: GroupedExperts, decision: RoutingDecision, group_alignment: int | None,
+        cls,
+        experts: GroupedExperts,
+        decision: RoutingDecision,
+        group_alignment: int | None,
         all_gather: Fp8AllGatherPlan | None = None,
     ):
         """``all_gather``: FSDP2 gathers w1/w2/w3 as FP8 per this plan (None: bf16)."""

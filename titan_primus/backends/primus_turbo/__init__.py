@@ -52,14 +52,14 @@ class PrimusTurboBackend(Fp8Backend):
 
     def availability(self, device: DeviceProfile) -> Verdict:
         if not device.mi300_class:
-            return Verdict.no(
-                f"Primus-Turbo runs only on AMD MI300-class GPUs (gfx942, gfx950); this is {device.arch}"
-            )
+            return Verdict.no(f"Primus-Turbo runs only on AMD MI300-class GPUs (gfx942, gfx950); this is {device.arch}")
         if isinstance(self._api, str):
             return Verdict.no(self._api)
         return Verdict.yes(f"Primus-Turbo {self._api.build} on {device.arch}")
 
-    def supports(self, op: Op, recipe: str, device: DeviceProfile, k: int | None = None, n: int | None = None) -> Verdict:
+    def supports(
+        self, op: Op, recipe: str, device: DeviceProfile, k: int | None = None, n: int | None = None
+    ) -> Verdict:
         if not has_definition(recipe, "primus_turbo"):
             return Verdict.no(
                 f"Primus-Turbo has no {recipe!r} recipe (its wgrad is always FP8); "
@@ -76,7 +76,9 @@ class PrimusTurboBackend(Fp8Backend):
 
     def accepts(self, recipe: Fp8Recipe) -> Verdict:
         if recipe.definition != "primus_turbo":
-            return Verdict.no(f"Primus-Turbo runs the primus_turbo definition of {recipe.name!r}, not the {recipe.definition} one")
+            return Verdict.no(
+                f"Primus-Turbo runs the primus_turbo definition of {recipe.name!r}, not the {recipe.definition} one"
+            )
         return Verdict.yes()
 
     def execution_paths(self) -> dict[str, str] | None:
@@ -102,11 +104,15 @@ class PrimusTurboBackend(Fp8Backend):
         api = self._api
         if isinstance(api, str):
             return frozenset()
-        return frozenset({
-            api.gemm._opoverload, api.grouped._opoverload, api.grouped_variable_k._opoverload,
-            torch.ops.titan_primus.primus_turbo_mx_linear.default,
-            torch.ops.titan_primus.primus_turbo_mx_grouped_mm.default,
-        })
+        return frozenset(
+            {
+                api.gemm._opoverload,
+                api.grouped._opoverload,
+                api.grouped_variable_k._opoverload,
+                torch.ops.titan_primus.primus_turbo_mx_linear.default,
+                torch.ops.titan_primus.primus_turbo_mx_grouped_mm.default,
+            }
+        )
 
     def takes_gathered_fp8_weight(self, recipe: Fp8Recipe, op: Op = "linear") -> Verdict:
         api = self._api
@@ -120,8 +126,10 @@ class PrimusTurboBackend(Fp8Backend):
         if why:
             return Verdict.no(f"the primus_turbo backend cannot take a pre-quantized weight: {why}")
         kernel, other = ("gemm_fp8_impl", "x") if op == "linear" else ("grouped_gemm_fp8_impl", "A")
-        return Verdict.yes(f"Primus-Turbo {api.build}'s {kernel} takes the gathered FP8 weight and its "
-                           f"scale_inv; only {other} is quantized")
+        return Verdict.yes(
+            f"Primus-Turbo {api.build}'s {kernel} takes the gathered FP8 weight and its "
+            f"scale_inv; only {other} is quantized"
+        )
 
     def gathered_weight(self, data, scale, dtype, recipe, source_dtype=None):
         return Fp8GatheredWeight(data, scale, dtype, recipe.reciprocal_scales, source_dtype)

@@ -55,8 +55,7 @@ def _quantize(api: TurboApi, t: torch.Tensor, dtype: torch.dtype, recipe: str, a
     return api.quant.quantize_fp8_rowwise_impl(t, dtype, axis % t.dim())
 
 
-def _requantized(api: TurboApi, q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype, axis: int,
-                 new_axis: int):
+def _requantized(api: TurboApi, q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype, axis: int, new_axis: int):
     """A rowwise copy quantized along ``new_axis`` from the ``axis`` copy dequantized to
     ``dtype`` (``QuantizedTensor.quantize(quantized.dequantize(), ...)``)."""
     source = api.quant.dequantize_fp8_rowwise_impl(q, dtype, axis % q.dim(), scale_inv)
@@ -74,8 +73,14 @@ def _weight_forward(api: TurboApi, weight: torch.Tensor, dtype: torch.dtype, rec
 
 @torch.library.custom_op("titan_primus::primus_turbo_weight_for_backward", mutates_args=())
 def _weight_for_backward(
-    weight: torch.Tensor, scale_inv: torch.Tensor | None, grad: torch.Tensor, recipe: str, fp8_dtype: torch.dtype,
-    source_dtype: torch.dtype, axis: int, new_axis: int,
+    weight: torch.Tensor,
+    scale_inv: torch.Tensor | None,
+    grad: torch.Tensor,
+    recipe: str,
+    fp8_dtype: torch.dtype,
+    source_dtype: torch.dtype,
+    axis: int,
+    new_axis: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The FP8 weight backward reads, made again from the weight (``scale_inv`` given: ``weight``
     is the FP8 payload FSDP2 gathered): tensorwise and blockwise use the forward cast; rowwise
@@ -99,14 +104,16 @@ def _weight_for_backward(
 _weight_for_backward.register_fake(_weight_for_backward._init_fn)
 
 
-def _weight_backward(weight: torch.Tensor, grad: torch.Tensor, fp8_dtype: torch.dtype, recipe: str, axis: int,
-                     new_axis: int):
+def _weight_backward(
+    weight: torch.Tensor, grad: torch.Tensor, fp8_dtype: torch.dtype, recipe: str, axis: int, new_axis: int
+):
     if not isinstance(weight, Fp8GatheredWeight):
         return _weight_for_backward(weight, None, grad, recipe, fp8_dtype, weight.dtype, axis, new_axis)
     if recipe == "tensorwise":  # the gathered payload itself, FSDP2's storage
         return weight.fp8_data(), weight.scale_inv()
-    return _weight_for_backward(weight.fp8_data(), weight.scale_inv(), grad, recipe, fp8_dtype, weight._source_dtype,
-                                axis, new_axis)
+    return _weight_for_backward(
+        weight.fp8_data(), weight.scale_inv(), grad, recipe, fp8_dtype, weight._source_dtype, axis, new_axis
+    )
 
 
 def _nt_backward(api: TurboApi, trans_b: bool) -> bool:
@@ -155,7 +162,9 @@ class TurboLinear(torch.autograd.Function):
             gq, sg = _quantize(api, grad, bwd, recipe, -1)
         if recipe == "tensorwise" and _nt_backward(api, True):
             grad_x = api.gemm(gq, sg, False, wq.t().contiguous(), sw, True, out_dtype, False, granularity, backend)
-            grad_w = api.gemm(x_col, sx_col, False, gq.t().contiguous(), sg, True, out_dtype, True, granularity, backend)
+            grad_w = api.gemm(
+                x_col, sx_col, False, gq.t().contiguous(), sg, True, out_dtype, True, granularity, backend
+            )
         else:
             grad_x = api.gemm(gq, sg, False, wq, sw, False, out_dtype, False, granularity, backend)
             if recipe == "rowwise":
@@ -198,12 +207,25 @@ class TurboGroupedMM(torch.autograd.Function):
         A = A.contiguous()
         if recipe == "blockwise":
             aq, a_col, sa, sa_col, _, _ = api.quant.quant_fp8_blockwise_segment_m_row_col_impl(
-                A, fwd, BLOCKWISE_SIZE, lens, goffs, gemm_other_dim=b.shape[b_col])
+                A, fwd, BLOCKWISE_SIZE, lens, goffs, gemm_other_dim=b.shape[b_col]
+            )
         else:
             aq, sa = _quantize(api, A, fwd, recipe, -1)
         bq, sb = _weight_forward(api, b, fwd, recipe, b_row)
-        out = api.grouped(aq, bq, sa, sb, lens, goffs, trans_a=False, trans_b=trans_b, out_dtype=torch.bfloat16,
-                          granularity=granularity, num_cu=None, default_backend=backend)
+        out = api.grouped(
+            aq,
+            bq,
+            sa,
+            sb,
+            lens,
+            goffs,
+            trans_a=False,
+            trans_b=trans_b,
+            out_dtype=torch.bfloat16,
+            granularity=granularity,
+            num_cu=None,
+            default_backend=backend,
+        )
         if recipe == "rowwise":
             a_col, sa_col = _requantized(api, aq, sa, A.dtype, -1, -2)  # per k over all rows of all groups
         elif recipe == "tensorwise":
@@ -224,22 +246,47 @@ class TurboGroupedMM(torch.autograd.Function):
         vk_lens, vk_offs = lens, goffs
         if recipe == "blockwise":
             gq, g_col, sg, sg_col, vk_lens, vk_offs = api.quant.quant_fp8_blockwise_segment_m_row_col_impl(
-                grad, bwd, BLOCKWISE_SIZE, lens, goffs, gemm_other_dim=b.shape[b_row])
+                grad, bwd, BLOCKWISE_SIZE, lens, goffs, gemm_other_dim=b.shape[b_row]
+            )
         else:
             gq, sg = _quantize(api, grad, bwd, recipe, -1)
         if recipe == "tensorwise" and _nt_backward(api, trans_b):
             bq_nt, dgrad_trans_b = bq.transpose(-1, -2).contiguous(), True
         else:
             bq_nt, dgrad_trans_b = bq, not trans_b
-        grad_A = api.grouped(gq, bq_nt, sg, sb, lens, goffs, trans_a=False, trans_b=dgrad_trans_b,
-                             out_dtype=torch.bfloat16, granularity=granularity, num_cu=None, default_backend=backend)
+        grad_A = api.grouped(
+            gq,
+            bq_nt,
+            sg,
+            sb,
+            lens,
+            goffs,
+            trans_a=False,
+            trans_b=dgrad_trans_b,
+            out_dtype=torch.bfloat16,
+            granularity=granularity,
+            num_cu=None,
+            default_backend=backend,
+        )
         if recipe == "rowwise":
             g_col, sg_col = _quantize(api, grad, bwd, recipe, -2)
         elif recipe == "tensorwise":
             g_col, sg_col = gq, sg
-        grad_b = api.grouped_variable_k(a_col, g_col, sa_col, sg_col, vk_lens, vk_offs, trans_a=True, trans_b=False,
-                                        trans_c=trans_b, out_dtype=torch.bfloat16, granularity=granularity,
-                                        num_cu=None, default_backend=backend)
+        grad_b = api.grouped_variable_k(
+            a_col,
+            g_col,
+            sa_col,
+            sg_col,
+            vk_lens,
+            vk_offs,
+            trans_a=True,
+            trans_b=False,
+            trans_c=trans_b,
+            out_dtype=torch.bfloat16,
+            granularity=granularity,
+            num_cu=None,
+            default_backend=backend,
+        )
         grad_B_t = grad_b.transpose(-2, -1) if trans_b else grad_b
         A_dtype, B_dtype = ctx.dtypes
         return grad_A.to(A_dtype), grad_B_t.to(B_dtype), None, None

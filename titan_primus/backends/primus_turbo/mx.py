@@ -25,8 +25,12 @@ _MX_BLOCK = 32
 
 def _config(api: TurboApi):
     enums = api.enums
-    return enums.Float8QuantConfig(format=enums.Format.E4M3, granularity=enums.ScalingGranularity.MX_BLOCKWISE,
-                                   scale_dtype=enums.ScaleDtype.E8M0, block_size=_MX_BLOCK)
+    return enums.Float8QuantConfig(
+        format=enums.Format.E4M3,
+        granularity=enums.ScalingGranularity.MX_BLOCKWISE,
+        scale_dtype=enums.ScaleDtype.E8M0,
+        block_size=_MX_BLOCK,
+    )
 
 
 def _ops():
@@ -44,8 +48,15 @@ def _grouped(A: torch.Tensor, B_t: torch.Tensor, offs: torch.Tensor) -> torch.Te
     api = require_api()
     # MX grouped GEMMs take the NT layout only (FP8GroupedGemmMXFunc asserts trans_b).
     b = B_t.transpose(-2, -1).contiguous()
-    return _ops().grouped_gemm_fp8(A, b, group_lens(offs), group_offs=group_offsets(offs), trans_b=True,
-                                   out_dtype=torch.bfloat16, config=_config(api))
+    return _ops().grouped_gemm_fp8(
+        A,
+        b,
+        group_lens(offs),
+        group_offs=group_offsets(offs),
+        trans_b=True,
+        out_dtype=torch.bfloat16,
+        config=_config(api),
+    )
 
 
 @contextlib.contextmanager

@@ -118,25 +118,34 @@ def _import_optional(name: str) -> ModuleType | None:
 
 
 def _surface(enums: ModuleType, gemm_ops: ModuleType, grouped_impl) -> str:
-    if not hasattr(enums, "Float8QuantConfig") or "scale_dtype" not in inspect.signature(enums.Float8QuantConfig).parameters:
+    if (
+        not hasattr(enums, "Float8QuantConfig")
+        or "scale_dtype" not in inspect.signature(enums.Float8QuantConfig).parameters
+    ):
         raise UnsupportedRelease(_too_old("its Float8QuantConfig has no scale_dtype (v0.2.x)"))
     grouped = importlib.import_module("primus_turbo.pytorch").ops.grouped_gemm_fp8
     if "out_dtype" not in inspect.signature(grouped).parameters:
         raise UnsupportedRelease(_too_old("its grouped_gemm_fp8 has no out_dtype (v0.3.0)"))
-    newer = ("group_offs_out" in [a.name for a in grouped_impl._opoverload._schema.arguments],
-             "a_t" in inspect.signature(gemm_ops.FP8GemmTensorFunction.forward).parameters)
+    newer = (
+        "group_offs_out" in [a.name for a in grouped_impl._opoverload._schema.arguments],
+        "a_t" in inspect.signature(gemm_ops.FP8GemmTensorFunction.forward).parameters,
+    )
     if all(newer):
         return "v0.3.2.dev48"
     if any(newer):
-        raise UnsupportedRelease(f"this Primus-Turbo build has part of the v0.3.2.dev48 API only "
-                                 f"(grouped_gemm_fp8_impl(group_offs_out=), FP8GemmTensorFunction(a_t=): {newer}); "
-                                 f"use a release or an AMD image build")
+        raise UnsupportedRelease(
+            f"this Primus-Turbo build has part of the v0.3.2.dev48 API only "
+            f"(grouped_gemm_fp8_impl(group_offs_out=), FP8GemmTensorFunction(a_t=): {newer}); "
+            f"use a release or an AMD image build"
+        )
     return "v0.3.1"
 
 
 def _too_old(why: str) -> str:
-    return (f"this Primus-Turbo is older than {OLDEST} ({why}); titan-primus drives {OLDEST} and later, "
-            f"the releases its tests run Primus-Turbo's own code for; upgrade Primus-Turbo")
+    return (
+        f"this Primus-Turbo is older than {OLDEST} ({why}); titan-primus drives {OLDEST} and later, "
+        f"the releases its tests run Primus-Turbo's own code for; upgrade Primus-Turbo"
+    )
 
 
 def _user_backends(backend_module: ModuleType) -> tuple[str, ...]:
@@ -175,7 +184,9 @@ def _load() -> TurboApi:
     )
     from .rules import min_token_rows
 
-    return replace(api, min_rows={recipe: min_token_rows(api, recipe) for recipe in ("tensorwise", "rowwise", "blockwise")})
+    return replace(
+        api, min_rows={recipe: min_token_rows(api, recipe) for recipe in ("tensorwise", "rowwise", "blockwise")}
+    )
 
 
 _LOADED: list = []

@@ -52,8 +52,11 @@ BLOCK_RECIPES = ("mxfp8", "blockwise")
 # The backend each build's own autograd Functions name as default: (surface, recipe) -> dense.
 # Grouped GEMMs default to Triton for tensorwise, rowwise and blockwise at every build here.
 _DENSE_DEFAULT = {
-    ("v0.3.1", "tensorwise"): "HIPBLASLT", ("v0.3.1", "rowwise"): "HIPBLASLT", ("v0.3.1", "blockwise"): "CK",
-    ("v0.3.2.dev48", "tensorwise"): "HIPBLASLT", ("v0.3.2.dev48", "rowwise"): "TRITON",
+    ("v0.3.1", "tensorwise"): "HIPBLASLT",
+    ("v0.3.1", "rowwise"): "HIPBLASLT",
+    ("v0.3.1", "blockwise"): "CK",
+    ("v0.3.2.dev48", "tensorwise"): "HIPBLASLT",
+    ("v0.3.2.dev48", "rowwise"): "TRITON",
     ("v0.3.2.dev48", "blockwise"): "TRITON",
 }
 
@@ -98,11 +101,15 @@ def _not_divisible(dims: tuple[tuple[str, int | None], ...], multiple: int) -> l
 def _block_refusal(recipe: str, device: DeviceProfile, api: TurboApi, k: int | None, n: int | None) -> str | None:
     if recipe == "mxfp8":
         if not api.at_least(MX_MIN_SURFACE):
-            return (f"Primus-Turbo {api.build} has no grouped MX GEMM and its dense MX GEMM runs another "
-                    f"definition; upgrade Primus-Turbo to >= {MX_MIN_SURFACE} (rocm/primus v26.5) or v0.4.0")
+            return (
+                f"Primus-Turbo {api.build} has no grouped MX GEMM and its dense MX GEMM runs another "
+                f"definition; upgrade Primus-Turbo to >= {MX_MIN_SURFACE} (rocm/primus v26.5) or v0.4.0"
+            )
         if device.arch != "gfx950":
-            return (f"Primus-Turbo's MX GEMMs need MX hardware (check_mxfp8_support: gfx950 or newer); "
-                    f"this is {device.arch}; use recipe 'blockwise' here")
+            return (
+                f"Primus-Turbo's MX GEMMs need MX hardware (check_mxfp8_support: gfx950 or newer); "
+                f"this is {device.arch}; use recipe 'blockwise' here"
+            )
         bad = _not_divisible((("K", k),), MX_K_ALIGNMENT) + _not_divisible((("N", n),), ALIGNMENT)
         rule = f"K divisible by {MX_K_ALIGNMENT} (its hipBLASLt MX path) and N by {ALIGNMENT}"
     else:
@@ -126,13 +133,17 @@ def refusal(api: TurboApi, device: DeviceProfile, op: Op, recipe: str, k: int | 
         kernels = _dense_kernels(api, recipe)
         bad = _not_divisible(dims, CK_ALIGNMENT)
         if "CK" in kernels and bad:
-            return (f"Primus-Turbo {api.build} may run these dense {recipe} GEMMs on CK, which needs each "
-                    f"contraction dim (K forward, N dgrad) divisible by {CK_ALIGNMENT} ({', '.join(bad)})")
+            return (
+                f"Primus-Turbo {api.build} may run these dense {recipe} GEMMs on CK, which needs each "
+                f"contraction dim (K forward, N dgrad) divisible by {CK_ALIGNMENT} ({', '.join(bad)})"
+            )
         small = _small(dims, TRITON_MIN_CONTRACTION)
         if "TRITON" in kernels and small:
-            return (f"Primus-Turbo {api.build} runs these dense {recipe} GEMMs on Triton kernels that assume at "
-                    f"least two BLOCK_K steps (tl.assume(loop_k > 1)): contraction dims (K forward, N dgrad) "
-                    f"under {TRITON_MIN_CONTRACTION} are undefined behaviour there ({', '.join(small)})")
+            return (
+                f"Primus-Turbo {api.build} runs these dense {recipe} GEMMs on Triton kernels that assume at "
+                f"least two BLOCK_K steps (tl.assume(loop_k > 1)): contraction dims (K forward, N dgrad) "
+                f"under {TRITON_MIN_CONTRACTION} are undefined behaviour there ({', '.join(small)})"
+            )
     if op == "grouped_mm" and recipe != "mxfp8":
         minimum = TRITON_MIN_CONTRACTION
         if device.arch == "gfx950" and api.origami and recipe != "blockwise":
@@ -140,7 +151,9 @@ def refusal(api: TurboApi, device: DeviceProfile, op: Op, recipe: str, k: int | 
         small = _small(dims, minimum)
         if small:
             origami = " (gfx950 with origami installed: BLOCK_K up to 256)" if minimum > TRITON_MIN_CONTRACTION else ""
-            return (f"Primus-Turbo's Triton grouped FP8 kernels assume at least two BLOCK_K steps "
-                    f"(tl.assume(loop_k > 1)): contraction dims (K forward, N dgrad) under {minimum} are "
-                    f"undefined behaviour there{origami} ({', '.join(small)})")
+            return (
+                f"Primus-Turbo's Triton grouped FP8 kernels assume at least two BLOCK_K steps "
+                f"(tl.assume(loop_k > 1)): contraction dims (K forward, N dgrad) under {minimum} are "
+                f"undefined behaviour there{origami} ({', '.join(small)})"
+            )
     return None
