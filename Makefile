@@ -53,10 +53,8 @@ $(STAMP_LINT): Makefile
 
 lint: $(STAMP_LINT)
 	$(VENV_LINT)/bin/ruff check .
+	$(VENV_LINT)/bin/ruff format --check .
 	$(VENV_LINT)/bin/shellcheck -x ci/*.sh .ci/run
-# Enabled together with the one-time formatting commit (`ruff format .`); until then the tree is
-# not in ruff's format.
-#	$(VENV_LINT)/bin/ruff format --check .
 
 test: $(STAMP)
 	$(call run,$(VENV)) $(PY) $(PYTEST)
