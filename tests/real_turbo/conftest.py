@@ -8,7 +8,7 @@ architecture, with
   v0.4.1.dev26);
 - ``TITAN_PRIMUS_TURBO_ARCH``: gfx942 (MI300X, FNUZ FP8) or gfx950 (MI355X, OCP FP8);
 - ``TITAN_PRIMUS_TURBO_SOURCES``: the folder holding the builds, default ``../shared/primus-turbo``
-  beside the repository;
+  beside the repository (or beside the nearest folder above it that has one);
 - ``TRITON_INTERPRET=1``, set before Triton is imported.
 
 Where the sources are absent every test here is skipped with that reason.

@@ -119,15 +119,23 @@ def _custom_ops_on_cpu() -> None:
 REPO = Path(__file__).resolve().parents[2]
 
 
+def default_sources() -> Path:
+    """``shared/primus-turbo`` beside the repository (``../shared/primus-turbo``), or beside the
+    nearest folder above it that has one (a clone in a subfolder of the workspace)."""
+    for folder in REPO.parents:
+        if (folder / "shared" / "primus-turbo").is_dir():
+            return folder / "shared" / "primus-turbo"
+    return REPO.parent / "shared" / "primus-turbo"
+
+
 @functools.cache
 def from_environment():
     """(``primus_turbo.pytorch``, None) for the build and architecture the environment names
     (``TITAN_PRIMUS_TURBO_BUILD``, ``TITAN_PRIMUS_TURBO_ARCH``, ``TITAN_PRIMUS_TURBO_SOURCES``:
-    default ``../shared/primus-turbo`` beside the repository), or (None, why not). Once per
-    process."""
+    default :func:`default_sources`), or (None, why not). Once per process."""
     build = os.environ.get("TITAN_PRIMUS_TURBO_BUILD", "")
     arch = os.environ.get("TITAN_PRIMUS_TURBO_ARCH", "gfx942")
-    sources = Path(os.environ.get("TITAN_PRIMUS_TURBO_SOURCES", REPO.parent / "shared" / "primus-turbo"))
+    sources = Path(os.environ.get("TITAN_PRIMUS_TURBO_SOURCES", default_sources()))
     if build not in stand_ins.BUILDS:
         return None, f"TITAN_PRIMUS_TURBO_BUILD={build!r}: choose one of {', '.join(stand_ins.BUILDS)}"
     if arch not in ARCHS:
