@@ -193,6 +193,24 @@ def group_offsets(offs: torch.Tensor) -> torch.Tensor:
     return torch.cat([offs.new_zeros(1), offs]).to(torch.int64)
 
 
+def _grouped_gemm(api: TurboApi, a, b, a_scales, b_scales, lens, goffs, trans_b: bool, granularity: int, backend: int):
+    """``primus_turbo::grouped_gemm_fp8_impl`` over groups of rows of ``a``, bf16 out."""
+    return api.grouped(
+        a,
+        b,
+        a_scales,
+        b_scales,
+        lens,
+        goffs,
+        trans_a=False,
+        trans_b=trans_b,
+        out_dtype=torch.bfloat16,
+        granularity=granularity,
+        num_cu=None,
+        default_backend=backend,
+    )
+
+
 class TurboGroupedMM(torch.autograd.Function):
     """A [R, K] x B_t [E, K, N] per group of rows (offs: int32 end offsets) -> [R, N] bf16."""
 
@@ -212,20 +230,7 @@ class TurboGroupedMM(torch.autograd.Function):
         else:
             aq, sa = _quantize(api, A, fwd, recipe, -1)
         bq, sb = _weight_forward(api, b, fwd, recipe, b_row)
-        out = api.grouped(
-            aq,
-            bq,
-            sa,
-            sb,
-            lens,
-            goffs,
-            trans_a=False,
-            trans_b=trans_b,
-            out_dtype=torch.bfloat16,
-            granularity=granularity,
-            num_cu=None,
-            default_backend=backend,
-        )
+        out = _grouped_gemm(api, aq, bq, sa, sb, lens, goffs, trans_b, granularity, backend)
         if recipe == "rowwise":
             a_col, sa_col = _requantized(api, aq, sa, A.dtype, -1, -2)  # per k over all rows of all groups
         elif recipe == "tensorwise":
@@ -254,20 +259,7 @@ class TurboGroupedMM(torch.autograd.Function):
             bq_nt, dgrad_trans_b = bq.transpose(-1, -2).contiguous(), True
         else:
             bq_nt, dgrad_trans_b = bq, not trans_b
-        grad_A = api.grouped(
-            gq,
-            bq_nt,
-            sg,
-            sb,
-            lens,
-            goffs,
-            trans_a=False,
-            trans_b=dgrad_trans_b,
-            out_dtype=torch.bfloat16,
-            granularity=granularity,
-            num_cu=None,
-            default_backend=backend,
-        )
+        grad_A = _grouped_gemm(api, gq, bq_nt, sg, sb, lens, goffs, dgrad_trans_b, granularity, backend)
         if recipe == "rowwise":
             g_col, sg_col = _quantize(api, grad, bwd, recipe, -2)
         elif recipe == "tensorwise":
