@@ -26,6 +26,15 @@ BUILD = os.environ.get("TITAN_PRIMUS_TURBO_BUILD", "")
 ARCH = os.environ.get("TITAN_PRIMUS_TURBO_ARCH", "gfx942")
 TURBO, _ = loader.from_environment()
 
+# The recipes Primus-Turbo's own code runs under the interpreter. Its mxfp8 path (gfx950, from
+# v0.3.2.dev48) quantizes with FlyDSL kernels (``flydsl/quantization/mxfp8_quant_flydsl.py``
+# asserts a CUDA tensor) and HIP ops (``grouped_quantize_mxfp8_dual``), neither of which runs on a
+# CPU nor has a stand-in here: mxfp8 on Primus-Turbo is unverified until the MI355X workflow.
+RECIPES = ("tensorwise", "rowwise", "blockwise")
+NOT_RUN_HERE = {
+    "mxfp8": "Primus-Turbo quantizes mxfp8 with FlyDSL and HIP kernels that do not run on a CPU (no stand-in)"
+}
+
 # The costliest tests (a training step of a converted model, shape sweeps) run on one
 # architecture per build, alternating, so each build and each architecture is covered; the rest
 # run on both.

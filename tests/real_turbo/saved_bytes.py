@@ -15,7 +15,7 @@ from real_turbo import loader
 TURBO, why_not = loader.from_environment()
 assert TURBO is not None, why_not
 
-from real_turbo.conftest import ARCH, BUILD  # noqa: E402
+from real_turbo.conftest import ARCH, BUILD, RECIPES  # noqa: E402
 from real_turbo.test_compile_and_memory import SavedTensors, _turbo_own  # noqa: E402
 
 # The tests' shapes, scaled up: x [1024, 1024] and weight [2048, 1024]; A [1024, 1024] in
@@ -44,7 +44,7 @@ def main():
         f"(weight-sized copies / activations, scales, offsets): Primus-Turbo's public op | titan-primus eager | compiled"
     )
     for op, inputs in (("linear", LINEAR), ("grouped_mm", GROUPED)):
-        for recipe in ("tensorwise", "rowwise", "blockwise"):
+        for recipe in RECIPES:
             decision = tp.select_backend(op, recipe, ARCH, "primus_turbo", k=1024, n=2048)
             if op == "linear":
                 ours = lambda x, w: decision.backend.linear(x, w, None, decision.recipe)  # noqa: E731

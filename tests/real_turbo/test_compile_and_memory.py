@@ -8,12 +8,11 @@ import pytest
 import torch
 
 import titan_primus as tp
-from real_turbo.conftest import ARCH, TURBO
+from real_turbo.conftest import ARCH, RECIPES, TURBO
 from real_turbo.test_same_as_turbo import CudaLooking, _config, _grads
 from titan_primus.backends.primus_turbo.autograd import group_offsets
 from titan_primus.grouping import group_lens
 
-RECIPES = ("tensorwise", "rowwise", "blockwise")
 GEMMS = ("gemm_fp8_impl", "grouped_gemm_fp8_impl", "grouped_gemm_fp8_variable_k_impl")
 
 

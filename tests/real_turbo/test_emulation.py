@@ -8,12 +8,11 @@ import pytest
 import torch
 
 import titan_primus as tp
-from real_turbo.conftest import ARCH, TURBO
+from real_turbo.conftest import ARCH, RECIPES, TURBO
 from real_turbo.test_same_as_turbo import _grads
 from titan_primus.block_scaling import cells_of, quantize_blocks
 from titan_primus.scaling import quantize
 
-RECIPES = ("tensorwise", "rowwise", "blockwise")
 # Observed: at most 4 in 100,000 elements more than one bf16 ulp apart (2026-12-01, every build).
 MAX_FRACTION_BEYOND_ONE_ULP = 1e-3
 

@@ -5,11 +5,9 @@ import pytest
 import torch
 
 import titan_primus as tp
-from real_turbo.conftest import TURBO
+from real_turbo.conftest import RECIPES, TURBO
 from titan_primus.backends.primus_turbo.autograd import group_offsets
 from titan_primus.grouping import group_lens
-
-RECIPES = ("tensorwise", "rowwise", "blockwise")
 
 
 def _config(recipe):
