@@ -251,15 +251,16 @@ def test_a_corrupted_backend_is_caught_on_the_first_checked_step(
         assert active.layers[layer].name in capture.name
 
 
-def test_garbage_past_the_routed_rows_is_named(corrupted):
+def test_garbage_past_the_routed_rows_is_named(corrupted, tmp_path):
     corrupted.mode = "trailing"
-    active = sentinel.sentinel_for(SentinelOptions(1))
+    active = sentinel.sentinel_for(SentinelOptions(1, capture_folder=str(tmp_path)))
     layer = active.register("layers.1.moe.experts", corrupted)
     active.begin_step(1)
     made = corrupted.recipe_for("rowwise", tp.device_profile("cpu"))
     report = _checked_call(WatchedBackend(active, layer), "grouped_mm", made, _inputs("grouped_mm", torch.Generator()))
     assert "out is not bit-identical to the emulation (16 of 112 rows differ: rows 96, 97" in report.breaches[0]
     assert "16 of them past offs[-1] = 96, where it must be exactly zero" in report.breaches[0]
+    assert [path.name for path in tmp_path.glob("*.pt")] == ["step0000001-rank0-layers.1.moe.experts-gemm1.pt"]
 
 
 def test_a_capture_replays_on_every_backend_here(corrupted, tmp_path, capsys):
