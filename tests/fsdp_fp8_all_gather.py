@@ -17,7 +17,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from titan_helpers import build, model_config
+from titan_helpers import build, model_config, print_line
 
 from cpu_world import exit_without_teardown  # examples/, on sys.path via titan_helpers
 
@@ -130,7 +130,7 @@ for fp8_all_gather in (False, True):
     }
     if getattr(model.config, "enable_weight_tying", False):
         tied = model.tok_embeddings.weight is model.lm_head.weight
-        print(f"rank {dist.get_rank()} weights tied after {steps} steps (FP8 all-gather {fp8_all_gather}): {tied}")
+        print_line(f"rank {dist.get_rank()} weights tied after {steps} steps (FP8 all-gather {fp8_all_gather}): {tied}")
 
 (l0, g0, b0, s0), (l1, g1, b1, s1) = runs[False], runs[True]
 assert all(type(v) is torch.Tensor for v in s1.values()), "state dict must hold plain tensors"

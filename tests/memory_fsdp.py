@@ -16,7 +16,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from titan_helpers import build, model_config
+from titan_helpers import build, model_config, print_line
 
 from cpu_world import exit_without_teardown  # examples/, on sys.path via titan_helpers
 
@@ -61,11 +61,10 @@ loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:,
 # unsharded until its backward.
 kept = kept_for_backward(saved, fp8_weights, parameters=[*model.parameters(), *model.buffers()])
 resharded = all(type(p).__name__ == "DTensor" for block in model.layers.values() for p in block.parameters())
-print(
+print_line(
     f"rank {dist.get_rank()} kept after the forward, per rank: weight copies {kept['weight_copy']} B, "
     f"FP8 activations {kept['activation_fp8']} B, other activations {kept['activation_hp']} B, "
-    f"parameters and buffers {kept['parameter']} B; weights resharded: {resharded}",
-    flush=True,
+    f"parameters and buffers {kept['parameter']} B; weights resharded: {resharded}"
 )
 del saved
 loss.backward()

@@ -66,7 +66,7 @@ FSDP_CASES = [
 ]
 KEPT = re.compile(
     r"kept after the forward, per rank: weight copies (\d+) B, FP8 activations (\d+) B, "
-    r"other activations (\d+) B, parameters and buffers (\d+) B; weights resharded: (\w+)"
+    r"other activations (\d+) B, parameters and buffers (\d+) B; weights resharded: (True|False)"
 )
 
 

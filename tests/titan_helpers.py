@@ -25,6 +25,14 @@ MODEL_REGISTRIES = {
 }
 
 
+def print_line(text: str) -> None:
+    """Print ``text`` as one line in one write. The ranks of a torchrun share one pipe, and under
+    PYTHONUNBUFFERED print() writes a line's text and its newline separately, so two ranks'
+    lines can interleave ("...: Truerank 1 ...")."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
 def model_config(model: str, flavor: str = "debugmodel", converters=None):
     """A model config as ``model_registry`` builds it, with CPU-capable attention."""
     import importlib

@@ -12,7 +12,7 @@ from test_activation_checkpointing import gemms_per_step
 from titan_helpers import model_config
 
 import titan_primus as tp
-from real_turbo.conftest import ARCH, BUILD, NOT_RUN_HERE
+from real_turbo.conftest import ARCH, BUILD, NOT_RUN_HERE, one_arch
 from real_turbo.test_compile_and_memory import DISPATCHERS
 from titan_primus.memory import AUDIT_SHAPES, audit_layer
 from titan_primus.torchtitan import Float8Converter, Fp8SelectiveAC
@@ -50,6 +50,7 @@ def _count(fn, ops, compiled):
     return result, calls[0]
 
 
+@one_arch
 @pytest.mark.parametrize(
     "model, compiled", [("llama3", True), ("deepseek_v3", False)], ids=["llama3-compiled", "deepseek_v3-eager"]
 )
