@@ -35,9 +35,9 @@ NOT_RUN_HERE = {
     "mxfp8": "Primus-Turbo quantizes mxfp8 with FlyDSL and HIP kernels that do not run on a CPU (no stand-in)"
 }
 
-# The costliest tests (a training step of a converted model, shape sweeps) run on one
-# architecture per build, alternating, so each build and each architecture is covered; the rest
-# run on both.
+# The costliest tests (a training step of a converted model, shape sweeps, selective-AC GEMM
+# counts) run on one architecture per build, alternating, so each build and each architecture is
+# covered; the rest run on both.
 ONE_ARCH = {"v0.3.1": "gfx942", "v0.3.2.dev48": "gfx950", "v0.4.0": "gfx942", "v0.4.1.dev26": "gfx950"}
 one_arch = pytest.mark.skipif(
     ONE_ARCH.get(BUILD) != ARCH,
