@@ -48,7 +48,8 @@ def measure(name: str, seq: int, batch: int, warmup: int) -> None:
     for _ in range(warmup):
         for model, optimizer in models.values():
             step(model, optimizer, tokens)
-    active.step, active.reports[:] = 0, []  # the round robin starts again at the first layer
+    active.step = 0  # the round robin starts again at the first layer
+    active.reports.clear()
     times = {"off": [], "watched": [], "checked": []}
     for _ in active.layers:
         times["off"].append(step(*models["off"], tokens))

@@ -15,6 +15,17 @@ from isolation import _seed_and_fresh_routing  # noqa: E402,F401  (autouse fixtu
 collect_ignore = [] if os.environ.get("TITAN_PRIMUS_TURBO_BUILD") else ["real_turbo"]
 
 
+@pytest.fixture
+def hardware():
+    """The GPU a hardware test (``mi300``, ``cuda``) runs on; tests/real_turbo/conftest.py gives
+    the real-code tier's, where the same bodies run on Primus-Turbo's own code."""
+    from helpers import Hardware
+
+    from titan_primus import detect_device
+
+    return Hardware("cuda", detect_device())
+
+
 def pytest_collection_modifyitems(config, items):
     """Real-hardware tests run only where that hardware is (the MI300X / CUDA CI workflows)."""
     from titan_primus import detect_device

@@ -1,10 +1,15 @@
 """Routing on named profiles, the environment override, explicit requests, third-party plugins."""
 
+import importlib.abc
+import sys
+
 import pytest
 import torch
 
 import titan_primus as tp
 from titan_primus.backends import EmulatedBackend
+from titan_primus.checkpointing import fp8_gemm_save_ops
+from titan_primus.cli.doctor import diagnose
 from titan_primus.hookspec import hookimpl
 
 
@@ -29,6 +34,40 @@ def test_auto_routing_without_primus_turbo(device, op, recipe, expected):
     assert "primus_turbo" in passed and passed["primus_turbo"]  # every better backend says why not
     if expected == "emulated":
         assert "torchao" in passed
+
+
+class _ImportsSeen(importlib.abc.MetaPathFinder):
+    """Every import of a ``primus_turbo`` module asked of the import system (found or not)."""
+
+    def __init__(self):
+        self.names = []
+
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "primus_turbo":
+            self.names.append(name)
+        return None
+
+
+def test_building_the_registry_on_a_cpu_does_not_import_primus_turbo(monkeypatch):
+    """Its import needs a ROCm GPU and its compiled extension: it happens past the hardware check
+    only (backends/primus_turbo/release.py), not when the registry is built, routing asks about
+    another device, doctor runs here, or selective AC lists the GEMM ops to save."""
+    assert not tp.detect_device().mi300_class and "primus_turbo" not in sys.modules
+    seen = _ImportsSeen()
+    monkeypatch.setattr(sys, "meta_path", [seen, *sys.meta_path])
+    tp.registry.refresh()
+    turbo = tp.registry.get_backend("primus_turbo")
+    for op in ("linear", "grouped_mm"):
+        assert tp.select_backend(op, "rowwise").backend_name == "emulated"
+        assert tp.select_backend(op, "rowwise", "sm90").backend_name == "torchao"
+        assert not turbo.takes_gathered_fp8_weight(
+            tp.make_recipe("rowwise", "primus_turbo", tp.device_profile("gfx942")), op
+        )
+    assert fp8_gemm_save_ops() and turbo.fp8_gemm_ops() == frozenset() and turbo.execution_paths() is None
+    assert "MI300-class" in diagnose()["primus_turbo"]
+    assert seen.names == []
+    decision = tp.select_backend("linear", "rowwise", "gfx942")  # the hardware check passes: it is looked for
+    assert seen.names and "Primus-Turbo is not importable" in dict(decision.passed_over)["primus_turbo"]
 
 
 def test_emulation_reproduces_the_devices_preferred_definition():

@@ -5,7 +5,9 @@ checked step, naming the layer; a breach's capture replays with ``titan-primus p
 
 Primus-Turbo's rows run on its own code: tests/real_turbo/test_failure_classes.py."""
 
+import gc
 import json
+import weakref
 from types import SimpleNamespace
 
 import corrupt_backend
@@ -102,6 +104,63 @@ def test_on_it_changes_no_bit_and_checks_one_layer_per_checked_step_in_turn():
         assert not report.breaches and len(report.checks) == 1
         assert [q.quantity for q in report.checks[0].quantities] == ["out", "grad_input", "grad_weight"]
         assert all(q.bitwise_equal for q in report.checks[0].quantities)  # the emulation checks itself bitwise
+
+
+def live_tensor_bytes() -> int:
+    """Bytes of the distinct storages of every tensor Python can reach (after a collection)."""
+    gc.collect()
+    storages = {}
+    for obj in gc.get_objects():
+        if issubclass(type(obj), torch.Tensor) and obj.device.type != "meta":
+            storage = obj.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def reachable_tensors(root) -> list:
+    """Tensors reachable from ``root``'s objects (not through modules, types or functions)."""
+    found, seen, todo = [], set(), [root]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen or isinstance(obj, (type, torch.nn.Module)) or callable(obj):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            found.append(obj)
+            continue
+        todo.extend(gc.get_referents(obj))
+    return found
+
+
+def test_a_long_run_holds_flat_memory_and_reset_leaves_nothing():
+    """60 steps, a check on every one (llama3 debug model, a plain AdamW loop: the real converter
+    and sentinel, not the trainer, for speed): live tensor bytes stay what they were after the
+    first steps (the optimizer's state), reports keep figures only, and ``reset()`` frees the
+    sentinel though the modules keep their watched backends."""
+    model = converted(sentinel_interval=1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tokens = TOKENS[:, :17]
+    live = {}
+    for step in range(1, 61):
+        logits = model(tokens[:, :-1])
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten()).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        del logits
+        if step in (3, 10, 20, 40, 60):
+            live[step] = live_tensor_bytes()
+    print("live tensor MiB after steps", {step: round(b / 2**20, 2) for step, b in live.items()})  # -s shows it
+    active = sentinel.active_sentinel()
+    assert len(active.reports) == 60 and all(len(r.checks) == 1 and r.checks[0].passed for r in active.reports)
+    assert live[60] <= live[3] and max(live.values()) == live[3], live  # the old code grew by a layer's call a step
+    assert not reachable_tensors(list(active.reports)), "a report keeps figures, never tensors"
+    gone = weakref.ref(active)
+    del active
+    sentinel.reset()
+    gc.collect()
+    assert gone() is None, "the reset sentinel is still referenced (a watched backend?)"
+    model(tokens[:, :-1]).float().mean().backward()  # the modules call their plain backends now
+    assert sentinel.active_sentinel() is None
 
 
 def test_an_expert_block_is_checked_gemm_by_gemm():
@@ -261,6 +320,7 @@ def test_garbage_past_the_routed_rows_is_named(corrupted, tmp_path):
     assert "out is not bit-identical to the emulation (16 of 112 rows differ: rows 96, 97" in report.breaches[0]
     assert "16 of them past offs[-1] = 96, where it must be exactly zero" in report.breaches[0]
     assert [path.name for path in tmp_path.glob("*.pt")] == ["step0000001-rank0-layers.1.moe.experts-gemm1.pt"]
+    assert not reachable_tensors(report), "the breached call's tensors went to its file, and only there"
 
 
 def test_a_capture_replays_on_every_backend_here(corrupted, tmp_path, capsys):

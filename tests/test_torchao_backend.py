@@ -4,7 +4,7 @@ TorchAO recipe, OCP and FNUZ. Shapes stay small: TorchAO's CPU path is only a re
 import pytest
 import torch
 from doubles import torchao_grouped_kernels
-from helpers import make_offsets, run_linear, sqnrs
+from helpers import Hardware, make_offsets, run_linear, sqnrs
 
 import titan_primus as tp
 
@@ -78,15 +78,30 @@ def test_torchao_grouped_mm_takes_every_layout_and_copies_only_where_torchao_nee
     assert min(sqnrs(reference, got)) >= 40, sqnrs(reference, got)  # measured: bitwise equal
 
 
-@pytest.mark.cuda
-def test_torchao_on_real_fp8_gpu_matches_emulation():
-    decision = tp.select_backend("linear", "rowwise")
+@pytest.fixture(params=[pytest.param("cuda", marks=pytest.mark.cuda), "cpu"])
+def torchao_hardware(request):
+    """The cuda test's body on an NVIDIA SM89+ GPU (routing must take TorchAO there), and on every
+    CI run on TorchAO's CPU path, asked for by name (docs/ci.md, "Hardware tests")."""
+    if request.param == "cuda":
+        return Hardware("cuda", tp.detect_device())
+    return Hardware("cpu", tp.device_profile("cpu"), backend="torchao")
+
+
+def test_torchao_on_real_fp8_gpu_matches_emulation(torchao_hardware):
+    hardware = torchao_hardware
+    decision = tp.select_backend("linear", "rowwise", hardware.profile, hardware.backend)
     assert decision.backend_name == "torchao", decision.explain()
-    x = torch.randn(512, 1024, dtype=torch.bfloat16, device="cuda")
-    w = torch.randn(2048, 1024, device="cuda") * 0.02
-    g = torch.randn(512, 2048, device="cuda")
-    got = run_linear(lambda x, w, b: tp.fp8_linear(x, w, b), x, w, None, g)
+    x = torch.randn(512, 1024, dtype=torch.bfloat16, device=hardware.device)
+    w = torch.randn(2048, 1024, device=hardware.device) * 0.02
+    g = torch.randn(512, 2048, device=hardware.device)
+    got = run_linear(
+        lambda x, w, b: tp.fp8_linear(x, w, b, backend=hardware.backend, device=hardware.profile), x, w, None, g
+    )
     emulated = run_linear(
-        lambda x, w, b: tp.fp8_linear(x, w, b, recipe=decision.recipe, backend="emulated"), x, w, None, g
+        lambda x, w, b: tp.fp8_linear(x, w, b, recipe=decision.recipe, backend="emulated", device=hardware.profile),
+        x,
+        w,
+        None,
+        g,
     )
     assert min(sqnrs(emulated, got)) >= 40

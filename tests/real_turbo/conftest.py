@@ -55,3 +55,16 @@ def device():
     import titan_primus as tp
 
     return tp.device_profile(ARCH)
+
+
+@pytest.fixture
+def hardware(device):
+    """Where the MI300 tests' bodies run in this tier (test_hardware_bodies.py): CPU tensors,
+    routing asked about this architecture, ``aot_eager`` for torch.compile (the interpreter
+    generates no Triton code), group lengths that look like a GPU's (``group_lens.is_cuda`` is
+    asserted by Primus-Turbo's public grouped op)."""
+    from helpers import Hardware
+
+    from real_turbo.test_same_as_turbo import CudaLooking
+
+    return Hardware("cpu", device, "aot_eager", lambda lens: lens.as_subclass(CudaLooking))

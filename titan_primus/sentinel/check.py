@@ -79,11 +79,18 @@ class GemmRecord:
     needs_grad: tuple[bool, bool]
     shards: object = None
     tensors: dict = field(default_factory=dict)
+    released: bool = False
+    """Its tensors were dropped (:meth:`release`): it keeps only what describes the call."""
 
     @property
     def complete(self) -> bool:
         wanted = ["out", "grad_output"] + [q for q, need in zip(("grad_input", "grad_weight"), self.needs_grad) if need]
         return all(q in self.tensors for q in wanted)
+
+    def release(self) -> None:
+        """Drop the operands and tensors (once checked and, on a breach, saved): a report keeps
+        figures, and a gradient hook that fires later adds nothing."""
+        self.operands, self.shards, self.tensors, self.released = (), None, {}, True
 
     def describe(self) -> str:
         what = "linear" if self.op == "linear" else f"grouped GEMM {self.gemm}"

@@ -20,6 +20,7 @@ the sentinel's figures to TorchTitan's metric loggers. Without a trainer, steps 
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import logging
@@ -61,6 +62,9 @@ COMPILE_UNSUPPORTED = (
 
 _LISTED = 5
 """Sources of non-finite values named one by one in a breach; the rest are counted."""
+
+REPORTS_KEPT = 256
+"""Reports kept (:attr:`Sentinel.reports`): figures only, the latest; a long run holds no more."""
 
 
 class SentinelBreach(RuntimeError):
@@ -162,8 +166,9 @@ class Sentinel:
         self.layers: list[_Layer] = []
         self._by_name: dict[str, _Layer] = {}
         self.step = 0
-        self.reports: list[StepReport] = []
-        """Every step's report with a check or a finding (tests and tools read them)."""
+        self.reports: collections.deque[StepReport] = collections.deque(maxlen=REPORTS_KEPT)
+        """The latest reports of steps with a check or a finding (tests and tools read them):
+        figures, no tensors (a checked call's tensors are dropped once checked and saved)."""
         self._state = _STEP_IDLE
         self._announced = False
         self._captured: dict[tuple[str, int], int] = {}
@@ -236,6 +241,9 @@ class Sentinel:
             (time.perf_counter() - started) * 1000,
             [],
         )
+        self._save_captures(report)
+        for record in self._records:  # checked (and saved): the report keeps their figures only
+            record.release()
         self._reset_step_state()
         if report.checks or report.non_finite:
             self.reports.append(report)
@@ -263,14 +271,17 @@ class Sentinel:
             found.append(NonFinite(call.layer.name, call.gemm, call.layer.backend.name, bad, made, magnitudes))
         return found
 
-    def _report(self, report: StepReport) -> None:
-        breaches = report.breaches
+    def _save_captures(self, report: StepReport) -> None:
+        """Each breached call's tensors to its file (its first breach in the run)."""
         for check in report.checks:
             key = (check.record.layer, check.record.gemm)
             if check.problems and self.options.capture_folder and key not in self._captured:
                 path = save_capture(self.options.capture_folder, check.record, report.step, _rank(), check.problems)
                 self._captured[key] = report.step
                 report.captures.append(str(path))
+
+    def _report(self, report: StepReport) -> None:
+        breaches = report.breaches
         if report.checks:
             layer = report.checks[0].record
             figures = "; ".join(
@@ -309,10 +320,9 @@ class Sentinel:
         """``layer``'s backend running ``op`` on ``operands`` ((x, weight, bias) or
         (A, B_t, offs)), watched."""
         backend = layer.backend
-        extra = {} if shards is None else {"shards": shards}
 
         def run(a, b, c):
-            return backend.linear(a, b, c, recipe, **extra) if op == "linear" else backend.grouped_mm(a, b, c, recipe)
+            return _run(backend, op, recipe, (a, b, c), shards)
 
         if self is not _ACTIVE or not torch.is_grad_enabled():  # a replaced sentinel's layer; evaluation
             return run(*operands)
@@ -350,7 +360,7 @@ class Sentinel:
 
     def _on_gradient(self, call_id: int, quantity: str, record: GemmRecord | None, grad: torch.Tensor) -> None:
         self._watch(call_id, quantity, grad)
-        if record is not None and quantity not in record.tensors:
+        if record is not None and not record.released and quantity not in record.tensors:
             record.tensors[quantity] = grad.detach().clone()
 
     def _watch(self, call_id: int, quantity: str, t: torch.Tensor) -> None:
@@ -364,10 +374,15 @@ class Sentinel:
 
 class WatchedBackend:
     """A converted module's backend with the sentinel on: ``linear`` and ``grouped_mm`` run
-    watched, everything else is the backend's own."""
+    watched, everything else is the backend's own. It holds its sentinel weakly: once the
+    sentinel is reset or replaced, the module calls its plain backend and keeps nothing alive."""
 
     def __init__(self, sentinel: Sentinel, layer: _Layer):
-        self._sentinel, self._layer = sentinel, layer
+        self._sentinel_ref, self._layer = weakref.ref(sentinel), layer
+
+    @property
+    def _sentinel(self) -> Sentinel | None:
+        return self._sentinel_ref()
 
     def __getattr__(self, name: str):
         if name.startswith("_"):
@@ -378,10 +393,24 @@ class WatchedBackend:
         return self  # the sentinel is one per process
 
     def linear(self, x, weight, bias, recipe, shards=None):
-        return self._sentinel.call(self._layer, "linear", recipe, (x, weight, bias), shards)
+        return self._call("linear", recipe, (x, weight, bias), shards)
 
     def grouped_mm(self, A, B_t, offs, recipe):
-        return self._sentinel.call(self._layer, "grouped_mm", recipe, (A, B_t, offs))
+        return self._call("grouped_mm", recipe, (A, B_t, offs))
+
+    def _call(self, op: str, recipe, operands: tuple, shards=None):
+        sentinel = self._sentinel
+        if sentinel is None:  # reset or replaced
+            return _run(self._layer.backend, op, recipe, operands, shards)
+        return sentinel.call(self._layer, op, recipe, operands, shards)
+
+
+def _run(backend, op: str, recipe, operands: tuple, shards=None):
+    a, b, c = operands
+    if op == "linear":
+        extra = {} if shards is None else {"shards": shards}
+        return backend.linear(a, b, c, recipe, **extra)
+    return backend.grouped_mm(a, b, c, recipe)
 
 
 def _tap(t):

@@ -18,18 +18,16 @@ Recipe mapping (titan-primus name -> ``Float8QuantConfig``):
 
 from __future__ import annotations
 
-from functools import cached_property
-
 import torch
 
-from ...device import DeviceProfile
+from ...device import DeviceProfile, detect_device
 from ...fsdp_fp8 import Fp8GatheredWeight
 from ...grouping import zero_trailing_rows
 from ...recipes import RECIPE_NAMES, Fp8Recipe, has_definition, make_recipe
 from ..base import Fp8Backend, Op, Verdict
 from . import mx
 from .autograd import TurboGroupedMM, TurboLinear
-from .release import TurboApi, describe_build, load_api, require_api
+from .release import TurboApi, api_loaded, describe_build, forget_api, imported, load_api, require_api
 from .rules import refusal
 
 __all__ = ["PrimusTurboBackend", "load_api", "describe_build"]
@@ -40,22 +38,31 @@ class PrimusTurboBackend(Fp8Backend):
     recipes = RECIPE_NAMES  # rowwise_with_gw_hp is refused in supports(), with the reason
 
     def __init__(self):
-        load_api(fresh=True)  # a fresh backend (registry.refresh) reads the installation anew
+        forget_api()  # a fresh backend (registry.refresh) reads the installation anew, when it needs it
 
-    @cached_property
-    def _api(self) -> TurboApi | str:
-        """The loaded API, or why it cannot be used."""
+    def _api_for(self, device: DeviceProfile | None) -> TurboApi | str:
+        """The loaded API, or why it cannot be used. Primus-Turbo is imported past the hardware
+        check only: ``device`` MI300-class; without a device (what the backend is asked outside
+        routing), the detected one, unless a hardware check has loaded it already or this process
+        has imported it (the real-code tier)."""
+        if device is None and not (api_loaded() or imported()):
+            device = detect_device()
+        if device is not None and not device.mi300_class:
+            return f"Primus-Turbo runs only on AMD MI300-class GPUs (gfx942, gfx950); this is {device.arch}"
         return load_api()
+
+    @property
+    def _api(self) -> TurboApi | str:
+        return self._api_for(None)
 
     def rank(self, device: DeviceProfile) -> int:
         return 300 if device.mi300_class else 0
 
     def availability(self, device: DeviceProfile) -> Verdict:
-        if not device.mi300_class:
-            return Verdict.no(f"Primus-Turbo runs only on AMD MI300-class GPUs (gfx942, gfx950); this is {device.arch}")
-        if isinstance(self._api, str):
-            return Verdict.no(self._api)
-        return Verdict.yes(f"Primus-Turbo {self._api.build} on {device.arch}")
+        api = self._api_for(device)
+        if isinstance(api, str):
+            return Verdict.no(api)
+        return Verdict.yes(f"Primus-Turbo {api.build} on {device.arch}")
 
     def supports(
         self, op: Op, recipe: str, device: DeviceProfile, k: int | None = None, n: int | None = None
@@ -65,7 +72,7 @@ class PrimusTurboBackend(Fp8Backend):
                 f"Primus-Turbo has no {recipe!r} recipe (its wgrad is always FP8); "
                 f"use recipe 'rowwise' to run on Primus-Turbo"
             )
-        api = self._api
+        api = self._api_for(device)
         if isinstance(api, str):
             return Verdict.no(api)
         why = refusal(api, device, op, recipe, k, n)

@@ -14,8 +14,11 @@ surfaces matter, each named by the oldest build that has it:
 Older releases are refused with the reason: their Python code cannot be run here, so a rule
 about them would be a guess.
 
-Primus-Turbo is imported only after the hardware check says the device is MI300-class: its
-import needs a ROCm GPU and its compiled extension.
+Primus-Turbo is imported only after the hardware check says the device is MI300-class (its
+import needs a ROCm GPU and its compiled extension), or where this process has imported it
+already (the real-code tier does, tests/real_turbo): building the registry, routing for another
+device and listing the save ops of selective activation checkpointing never import it
+(``PrimusTurboBackend``, tests/test_routing.py).
 """
 
 from __future__ import annotations
@@ -24,12 +27,23 @@ import importlib
 import importlib.util
 import inspect
 import re
+import sys
 from dataclasses import dataclass, field, replace
 from types import ModuleType
 
 import torch
 
-__all__ = ["SURFACES", "TurboApi", "UnsupportedRelease", "load_api", "describe_build", "INSTALL_HINT"]
+__all__ = [
+    "SURFACES",
+    "TurboApi",
+    "UnsupportedRelease",
+    "api_loaded",
+    "forget_api",
+    "imported",
+    "load_api",
+    "describe_build",
+    "INSTALL_HINT",
+]
 
 SURFACES = ("v0.3.1", "v0.3.2.dev48")
 OLDEST = SURFACES[0]
@@ -207,6 +221,22 @@ def load_api(fresh: bool = False) -> TurboApi | str:
         except Exception as e:  # its import can fail in many ways without a GPU / _C extension
             _LOADED.append(f"Primus-Turbo is not importable ({type(e).__name__}: {e}); {INSTALL_HINT}")
     return _LOADED[0]
+
+
+def forget_api() -> None:
+    """Forget the loaded API: the next :func:`load_api` reads the installation and the environment
+    anew (a new backend instance, from ``registry.refresh``, does this without importing)."""
+    _LOADED.clear()
+
+
+def api_loaded() -> bool:
+    """Whether :func:`load_api` has run since the last :func:`forget_api`."""
+    return bool(_LOADED)
+
+
+def imported() -> bool:
+    """Whether this process has imported Primus-Turbo already (importing it again costs nothing)."""
+    return "primus_turbo" in sys.modules
 
 
 def require_api() -> TurboApi:

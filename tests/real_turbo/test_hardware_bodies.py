@@ -1,0 +1,18 @@
+"""The MI300 tests' bodies (tests/test_mi300_primus_turbo.py), run here on Primus-Turbo's own
+code at every build and architecture: the same functions, collected again, with this tier's
+``hardware`` fixture (conftest.py: CPU tensors, the architecture's profile). A crash or a wrong
+routing assertion in one of them shows on every CI run, not first on an MI300X. The compiled
+one runs on one architecture per build (test_hardware_bodies_compiled.py).
+
+What cannot run here, and why: docs/ci.md ("Hardware tests")."""
+
+from test_mi300_primus_turbo import (  # noqa: F401  (collected here with this tier's fixtures)
+    test_any_number_of_tokens,
+    test_contiguous_b_t_runs_without_transposition,
+    test_dense_contraction_edges,
+    test_fp32_activations,
+    test_fsdp_gathered_fp8_weights_give_exactly_the_normal_path,
+    test_grouped_small_k_edge,
+    test_tail_rows_of_the_public_op,
+    turbo,
+)
