@@ -23,14 +23,14 @@ __all__ = ["SELECTIVE_AC_FIX", "Float8Converter", "has_fp8_conversion"]
 logger = logging.getLogger("titan_primus")
 
 SELECTIVE_AC_FIX = (
-    "titan-primus: TorchTitan hands a converter the model config only, so the converter cannot make the "
-    "trainer's selective activation checkpointing save the FP8 GEMMs: under TorchTitan's stock SelectiveAC "
-    "(Trainer.Config's default, and most stock configs') every FP8 GEMM of a checkpointed block runs again in "
-    "backward (4 per op per step instead of 3). In your config function add "
+    "titan-primus: TorchTitan hands a converter the model config only, so it cannot make the trainer's "
+    "selective activation checkpointing save the FP8 GEMMs: under TorchTitan's stock SelectiveAC (the default "
+    "of Trainer.Config and of most stock configs) each FP8 GEMM of a checkpointed block runs again in backward "
+    "(4 per op per step instead of 3). Fix, in your config function: "
     "`config.activation_checkpoint = with_fp8_gemms_saved(config.activation_checkpoint)` "
-    "(from titan_primus.torchtitan import with_fp8_gemms_saved); with --override.imports list "
-    "titan_primus.torchtitan.overrides.fp8_selective_ac too (if it is listed, or activation checkpointing is "
-    "full or off, nothing is lost). The ready configs (--module titan_primus --config <stock>_fp8) do it for you."
+    "(from titan_primus.torchtitan); with --override.imports: also list "
+    "titan_primus.torchtitan.overrides.fp8_selective_ac. Nothing to do if you have, or if activation "
+    "checkpointing is full or off; the ready configs (--module titan_primus --config <stock>_fp8) do it themselves."
 )
 """Logged by :meth:`Float8Converter.convert`: TorchTitan 0.3 offers no seam from a model-config
 converter to the trainer's activation checkpointing config."""
