@@ -8,10 +8,14 @@ of it) and at the FP8 hooks (the FP8 weights' payload).
 
 Usage: fsdp_fp8_all_gather.py MODEL RECIPE DEVICE_PROFILE BACKEND STEPS [OPTIONS...]
 OPTIONS: ``experts_shard1`` (FSDP2 shards expert weights on dim 1, as TorchTitan does when the FSDP
-degree exceeds the number of experts). Primus-Turbo's own code is imported first where the
+degree exceeds the number of experts); ``cpu_offload`` (the FP8 all-gather run under FSDP2's
+``CPUOffloadPolicy``, compared with the bf16 all-gather without it; FSDP2 then copies each shard to
+the device before its pre-all-gather hook, ``.to(device)``: on a CPU that aliases, so here the copy
+is made as a CPU-to-GPU move makes it, one ``aten._to_copy`` reaching the shard's tensor subclass). Primus-Turbo's own code is imported first where the
 environment names a build (tests/real_turbo/loader.py: ``TITAN_PRIMUS_TURBO_BUILD`` ...).
 """
 
+import gc
 import logging
 import sys
 
@@ -21,7 +25,7 @@ from titan_helpers import build, model_config, print_line
 
 from cpu_world import exit_without_teardown  # examples/, on sys.path via titan_helpers
 
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
 from titan_primus.fsdp_fp8 import Fp8AllGatherWeight, fp8_all_gather_plan
@@ -43,8 +47,16 @@ if backend == "primus_turbo":
     tp.registry.refresh()
 world = dist.get_world_size()
 
-gathered = {"collective": 0, "fp8_hooks": 0, "amax_all_reduces": 0}
-_all_gather_single, _all_reduce = dist.all_gather_single, dist.all_reduce
+gathered = {"collective": 0, "fp8_hooks": 0, "amax_all_reduces": 0, "gc_collects": 0}
+_all_gather_single, _all_reduce, _gc_collect = dist.all_gather_single, dist.all_reduce, gc.collect
+
+
+def _counting_gc_collect(*args, **kwargs):
+    gathered["gc_collects"] += 1
+    return _gc_collect(*args, **kwargs)
+
+
+gc.collect = _counting_gc_collect
 
 
 def _counting_all_reduce(tensor, *args, **kwargs):
@@ -71,6 +83,13 @@ def _counting_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_po
 
 
 Fp8AllGatherWeight.fsdp_pre_all_gather = _counting_pre_all_gather
+offload = "cpu_offload" in options
+if offload:
+
+    def _moving_to(self, *args, **kwargs):  # FSDP2's .to(device) of the offloaded shard, as to a GPU
+        return torch.Tensor.to(self, *args, copy=True, **kwargs)
+
+    Fp8AllGatherWeight.to = _moving_to
 
 # The converter decides which weights FSDP2 gathers in FP8 (not a tied one), as in training.
 configs = {
@@ -95,9 +114,11 @@ def sharded(fp8_all_gather: bool):
     model = build(configs[fp8_all_gather], seed=0)
     expert_weights = {p for module in fp8_modules(model) if module.covers_experts for p in module.parameters()}
     placement = (lambda p: Shard(1) if p in expert_weights else None) if "experts_shard1" in options else None
+    # The FP8 run offloaded, the bf16 one not: equal results cover both.
+    offload_policy = CPUOffloadPolicy(pin_memory=False) if offload and fp8_all_gather else None
     for block in model.layers.values():
-        fully_shard(block, mp_policy=mp, shard_placement_fn=placement)
-    fully_shard(model, mp_policy=mp)
+        fully_shard(block, mp_policy=mp, shard_placement_fn=placement, offload_policy=offload_policy)
+    fully_shard(model, mp_policy=mp, offload_policy=offload_policy)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
@@ -108,7 +129,7 @@ for fp8_all_gather in (False, True):
     model, optimizer = sharded(fp8_all_gather)
     losses, grads, bytes_per_step = [], [], []
     for tokens in batches:
-        gathered.update(collective=0, fp8_hooks=0, amax_all_reduces=0)
+        gathered.update(collective=0, fp8_hooks=0, amax_all_reduces=0, gc_collects=0)
         logits = model(tokens[:, :-1])
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
         loss.backward()
@@ -144,6 +165,7 @@ bf16_payload = off - (on - fp8_payload)  # the same weights' bytes when gathered
 if dist.get_rank() == 0:
     print(f"losses {[round(float(v), 6) for v in l1]}")
     print(f"amax all-reduces per step (FP8 all-gather): {[b['amax_all_reduces'] for b in b1]}")
+    print(f"gc.collect calls per step (FP8 all-gather): {[b['gc_collects'] for b in b1]}")
     print(f"bitwise equal: loss {loss_equal} grads {grads_equal} weights {weights_equal}")
     print(f"FP8-gathered weights: linears {fp8_gathered['linears']} expert weights {fp8_gathered['experts']}")
     print(

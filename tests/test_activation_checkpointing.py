@@ -108,3 +108,68 @@ def test_config_registry_and_override_select_it():
     full = FullAC.Config()
     assert with_fp8_gemms_saved(full) is full and with_fp8_gemms_saved(None) is None
     assert type(fp8_selective_ac(SelectiveAC.Config())) is Fp8SelectiveAC.Config
+
+
+# One test per way of enabling the converter on TorchTitan 0.3: a step of the stock llama3 debug
+# config (TorchTitan's SelectiveAC) runs three FP8 GEMMs per op, as without checkpointing.
+
+
+def assert_three_gemms_per_op(model_spec_model, ac_config) -> None:
+    from cpu_launch import use_causal_sdpa
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC
+
+    assert isinstance(ac_config, SelectiveAC.Config)  # per-op selective, whichever class
+    use_causal_sdpa(model_spec_model)
+    ops = tp.registry.get_backend("emulated").fp8_gemm_ops()
+    forward, step = gemms_per_step(model_spec_model, ac_config, False, ops)
+    assert forward == 31 and step == 3 * forward, (forward, step)  # stock SelectiveAC: 31 / 123
+
+
+def stock_llama3_debug_config():
+    from titan_primus.config_registry import stock_config
+
+    return stock_config("llama3_debugmodel")()
+
+
+def test_python_config_warns_and_its_one_line_fix_keeps_the_gemms(caplog):
+    """README's way: ``model_registry(..., converters=[Float8Converter.Config()])`` in a config
+    function. TorchTitan gives the converter no access to the trainer's activation checkpointing,
+    so the converter names the one-line fix at build time; with that line, 3 GEMMs per op."""
+    from torchtitan.models.llama3 import model_registry
+
+    from titan_primus.torchtitan import with_fp8_gemms_saved
+    from titan_primus.torchtitan.converter import SELECTIVE_AC_FIX
+
+    config = stock_llama3_debug_config()
+    with caplog.at_level("WARNING", logger="titan_primus"):
+        config.model_spec = model_registry("debugmodel", converters=[Float8Converter.Config(backend="emulated")])
+    assert SELECTIVE_AC_FIX in caplog.messages
+    assert "config.activation_checkpoint = with_fp8_gemms_saved(config.activation_checkpoint)" in SELECTIVE_AC_FIX
+    config.activation_checkpoint = with_fp8_gemms_saved(config.activation_checkpoint)  # the line it names
+    assert_three_gemms_per_op(config.model_spec.model, config.activation_checkpoint)
+
+
+def test_ready_config_keeps_the_gemms(caplog, monkeypatch):
+    """``--module titan_primus --config llama3_debugmodel_fp8``: nothing to add, nothing warned."""
+    from titan_primus import config_registry
+    from titan_primus.torchtitan.converter import SELECTIVE_AC_FIX
+
+    monkeypatch.setenv("TITAN_PRIMUS_BACKEND", "emulated")
+    with caplog.at_level("WARNING", logger="titan_primus"):
+        config = config_registry.llama3_debugmodel_fp8()
+    assert SELECTIVE_AC_FIX not in caplog.messages
+    assert_three_gemms_per_op(config.model_spec.model, config.activation_checkpoint)
+
+
+def test_override_imports_keep_the_gemms():
+    """``--override.imports`` on a stock config, applied as TorchTitan's trainer applies them:
+    the ``fp8`` override and ``fp8_selective_ac`` (named by the converter's warning)."""
+    from torchtitan.config.override import apply_overrides
+
+    config = stock_llama3_debug_config()
+    config.override.imports = [
+        ("titan_primus.torchtitan.overrides.fp8", {"backend": "emulated"}),
+        "titan_primus.torchtitan.overrides.fp8_selective_ac",
+    ]
+    apply_overrides(config.override, config)
+    assert_three_gemms_per_op(config.model_spec.model, config.activation_checkpoint)

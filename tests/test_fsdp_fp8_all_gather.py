@@ -144,6 +144,7 @@ RESULT = re.compile(
         ("deepseek_v3", "tensorwise", "cpu", "emulated", ()),
         ("deepseek_v3", "rowwise", "gfx942", "emulated", ("experts_shard1",)),
         ("qwen3", "tensorwise", "cpu", "emulated", ()),
+        ("llama3", "tensorwise", "cpu", "emulated", ("cpu_offload",)),
     ],
 )
 def test_fp8_all_gather_changes_no_bit_and_halves_weight_traffic(model, recipe, device, backend, options):
@@ -160,7 +161,10 @@ def test_fp8_all_gather_changes_no_bit_and_halves_weight_traffic(model, recipe, 
     precision, with a warning (ratio 0.6257). qwen3's debug model ties its output projection to the
     token embedding: that weight stays in bf16 (the embedding reads it), the tie holds, the other 40
     FP8 linears' weights go in FP8 (before: all 41, the embedding read FP8-rounded values and the
-    losses differed)."""
+    losses differed). ``cpu_offload``: the FP8 all-gather under FSDP2's CPUOffloadPolicy, bitwise
+    equal to the bf16 all-gather without it, with the same amax all-reduces and one gc.collect in
+    all (before: every all-gather found the device copy's amax missing: one all-reduce and one
+    gc.collect per weight: 62 all-reduces and 61 gc.collect calls in every step)."""
     steps = "3" if backend == "emulated" and model != "deepseek_v3" else "2"  # TorchAO's CPU kernels are slow
     out = torchrun_script("fsdp_fp8_all_gather.py", model, recipe, device, backend, steps, *options)
     assert "bitwise equal: loss True grads True weights True" in out, out
@@ -176,6 +180,8 @@ def test_fp8_all_gather_changes_no_bit_and_halves_weight_traffic(model, recipe, 
     amax_reductions = re.search(r"amax all-reduces per step \(FP8 all-gather\): \[(.*)\]", out).group(1).split(", ")
     expected = ["2"] + ["1"] * (int(steps) - 1) if recipe == "tensorwise" else ["0"] * int(steps)
     assert amax_reductions == expected, out
+    collects = re.search(r"gc.collect calls per step \(FP8 all-gather\): \[(.*)\]", out).group(1).split(", ")
+    assert collects == (["1"] if recipe == "tensorwise" else ["0"]) + ["0"] * (int(steps) - 1), out
     if model == "qwen3":
         assert out.count(f"weights tied after {steps} steps (FP8 all-gather True): True") == 2, out
         assert linears == 40, out
@@ -308,3 +314,26 @@ def test_bench_traffic_model_uses_the_real_model_sizes():
     assert 0.50 < rows["DeepSeek-V3-671B"]["tensorwise_ratio"] < rows["DeepSeek-V3-671B"]["rowwise_ratio"] < 0.51
     assert "MODEL, computed from shapes" in render_traffic(8)
     assert "Measured" not in render_traffic(8)  # bench prints no measured figure it did not measure
+
+
+def test_a_copy_that_keeps_the_values_keeps_a_fresh_amax():
+    """FSDP2 copies a CPU-offloaded shard to the device before its pre-all-gather hook: the copy
+    keeps the precomputed amax (and where to reduce it); a cast to another dtype, or a stale
+    amax, does not carry over, and a change to the copy makes its own amax stale."""
+    from titan_primus.fsdp_fp8 import Fp8AllGatherWeight
+
+    recipe = tp.make_recipe("tensorwise", "torchao", tp.device_profile("cpu"))
+    plan, _ = fp8_all_gather_plan(tp.registry.get_backend("emulated"), recipe)
+    weight = Fp8AllGatherWeight(torch.randn(8, 16), plan)
+    assert not weight.to(copy=True).amax_is_fresh()
+    weight._group, weight._reduce_device = "group", torch.device("cpu")
+    weight._set_amax(weight._tensor.abs().amax())
+    copy = torch.Tensor.to(weight, "cpu", copy=True, non_blocking=True)  # what a move to another device dispatches
+    assert type(copy) is Fp8AllGatherWeight and copy is not weight
+    assert copy.amax_is_fresh() and copy._amax is weight._amax
+    assert (copy._group, copy._reduce_device) == ("group", torch.device("cpu"))
+    assert not weight.to(torch.float64).amax_is_fresh()
+    copy.mul_(2)
+    assert not copy.amax_is_fresh() and weight.amax_is_fresh()
+    weight.mul_(2)
+    assert not weight.to(copy=True).amax_is_fresh()

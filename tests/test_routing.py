@@ -158,6 +158,48 @@ def test_third_party_backend_wins_when_it_ranks_higher():
     assert tp.select_backend("linear", "rowwise", "sm90").backend_name == "torchao"
 
 
+class _OnRequestBackend(_BetterBackend):
+    """Ranks first on sm90 but, for tensorwise, runs only when requested by name."""
+
+    name = "vendor_on_request"
+
+    def chosen_automatically(self, op, recipe, device):
+        return tp.Verdict.no("not yet run on hardware") if recipe == "tensorwise" else tp.Verdict.yes()
+
+
+def test_a_backend_can_run_a_recipe_only_when_requested_by_name():
+    class Plugin:
+        @hookimpl
+        def titan_primus_register_backends(self):
+            return [_OnRequestBackend()]
+
+    plugin = Plugin()
+    tp.registry.register(plugin, name="on_request")
+    try:
+        auto = tp.select_backend("linear", "tensorwise", "sm90")
+        assert auto.backend_name == "torchao"
+        assert dict(auto.passed_over)["vendor_on_request"] == "not yet run on hardware"
+        assert (
+            tp.select_backend("linear", "tensorwise", "sm90", "vendor_on_request").backend_name == "vendor_on_request"
+        )
+        assert tp.select_backend("linear", "rowwise", "sm90").backend_name == "vendor_on_request"
+    finally:
+        tp.registry.unregister(plugin)
+
+
+def test_primus_turbos_mxfp8_is_chosen_only_by_name():
+    """Its MX quantizers and GEMMs (FlyDSL, HIP) run under no test here and have not run on an
+    MI355X: ``auto`` passes over them, with the reason (the real-code tier routes on gfx950:
+    tests/real_turbo/test_routing.py); its other recipes are chosen automatically."""
+    from titan_primus.backends.primus_turbo import MX_ON_REQUEST
+
+    turbo, gfx950 = tp.registry.get_backend("primus_turbo"), tp.device_profile("gfx950")
+    for op in ("linear", "grouped_mm"):
+        assert turbo.chosen_automatically(op, "mxfp8", gfx950).reason == MX_ON_REQUEST
+        assert all(turbo.chosen_automatically(op, r, gfx950) for r in ("tensorwise", "rowwise", "blockwise"))
+    assert "backend='primus_turbo'" in MX_ON_REQUEST and "MI355X" in MX_ON_REQUEST
+
+
 def test_backend_name_clash_is_an_error():
     class Clash:
         @hookimpl

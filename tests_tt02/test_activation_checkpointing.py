@@ -75,3 +75,33 @@ def test_selective_op_ac_runs_three_fp8_gemms_per_op(model_name, backend, recipe
     assert forward > 0 and plain == 3 * forward, (forward, plain)
     assert after == plain, (plain, before, after)
     assert before > plain, (plain, before, after)
+
+
+def test_toml_path_keeps_the_gemms_through_the_models_parallelize_function():
+    """The 0.2.x way in end to end: the example TOML (converter, ``[titan_primus]`` section) with
+    selective op checkpointing, converted by TorchTitan's converter container and parallelised by
+    the train spec's own ``parallelize_fn`` (which hands ``apply_ac`` its module's save list):
+    three FP8 GEMMs per op in a step (the stock list: 129 / 171)."""
+    from torchtitan.config import ConfigManager
+    from torchtitan.protocols.model_converter import build_model_converters
+    from tt02_helpers import EXAMPLES
+
+    job_config = ConfigManager().parse_args(
+        [
+            "--job.config_file",
+            str(EXAMPLES / "llama3_debug_fp8.toml"),
+            "--titan_primus.backend",
+            "emulated",
+            "--activation_checkpoint.selective_ac_option",
+            "op",
+            "--training.seq_len",
+            "32",
+        ]
+    )
+    dims = parallel_dims()
+    model = meta_model("llama3")
+    build_model_converters(job_config, dims).convert(model)
+    get_train_spec("llama3").parallelize_fn(model, dims, job_config)
+    ops = tp.registry.get_backend("emulated").fp8_gemm_ops()
+    forward, step = gemms_per_step(materialize(model), ops, None)
+    assert forward == 43 and step == 3 * forward, (forward, step)

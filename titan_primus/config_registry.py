@@ -56,7 +56,7 @@ def with_fp8(config, **converter_options):
 
     compile_model = config.compile.enable and "model" in config.compile.components
     converter = Float8Converter.Config(model_compile_enabled=compile_model, **converter_options).build()
-    config.model_spec.model = converter.convert(config.model_spec.model)
+    config.model_spec.model = converter.convert_model(config.model_spec.model)
     # Selective activation checkpointing saves the FP8 GEMMs' outputs, as it does aten.mm's.
     config.activation_checkpoint = with_fp8_gemms_saved(config.activation_checkpoint)
     return config

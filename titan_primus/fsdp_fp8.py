@@ -292,7 +292,9 @@ class Fp8AllGatherWeight(torch.Tensor):
     initialisation and checkpoint loading see an ordinary tensor. ``_amax`` is the whole
     weight's amax (tensorwise plans). Any in-place change (optimizer step, checkpoint load,
     init) makes it stale: one made through this tensor clears it, one made directly to
-    ``_tensor`` moves its version counter away from ``_amax_version``.
+    ``_tensor`` moves its version counter away from ``_amax_version``. A copy that keeps the
+    values (FSDP2's ``.to(device)`` of an offloaded shard before each all-gather) keeps a fresh
+    amax, and where to reduce amaxes (``_group``, ``_reduce_device``).
     """
 
     @staticmethod
@@ -312,6 +314,9 @@ class Fp8AllGatherWeight(torch.Tensor):
         self._amax: torch.Tensor | None = None
         self._amax_version = -1
         self._group = None
+        self._reduce_device: torch.device | None = None
+        """Where the group reduces: the device FSDP2 all-gathers on (a CPU-offloaded shard
+        lives on the CPU)."""
 
     def __repr__(self):
         return f"Fp8AllGatherWeight({self._tensor!r}, {self._plan.granularity})"
@@ -319,6 +324,7 @@ class Fp8AllGatherWeight(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args, kwargs=None):
         plans = set()
+        source = args[0] if args else None
         # A mutation (optimizer step, state-dict load, init) makes a precomputed amax stale.
         # (It reaches the inner tensor below autograd, where its version counter does not move.)
         mutation = func._schema.is_mutable
@@ -334,7 +340,20 @@ class Fp8AllGatherWeight(torch.Tensor):
         if func not in _PRESERVED:
             return out
         (plan,) = plans
-        return tree_map_only(torch.Tensor, lambda t: Fp8AllGatherWeight(t, plan), out)
+        out = tree_map_only(torch.Tensor, lambda t: Fp8AllGatherWeight(t, plan), out)
+        if func is torch.ops.aten._to_copy.default and isinstance(source, Fp8AllGatherWeight):
+            out._keep_amax_of(source)
+        return out
+
+    def _keep_amax_of(self, source: "Fp8AllGatherWeight") -> None:
+        """A copy of ``source`` (another device, same dtype: the same values) keeps its fresh amax.
+        FSDP2 makes one of a CPU-offloaded shard before every all-gather; without it each
+        all-gather would find the amax stale and reduce it again, one weight at a time."""
+        if self.dtype != source.dtype:
+            return
+        self._group, self._reduce_device = source._group, source._reduce_device
+        if source.amax_is_fresh():
+            self._set_amax(source._amax)
 
     def amax_is_fresh(self) -> bool:
         return self._amax is not None and self._amax_version == self._tensor._version
@@ -359,9 +378,9 @@ class Fp8AllGatherWeight(torch.Tensor):
         shard = self._tensor.to(dtypes[0]).to(dtypes[1])
         amax = None
         if plan.granularity == "tensorwise":
-            self._group = mesh.get_group()
+            self._group, self._reduce_device = mesh.get_group(), self._tensor.device
             if not self.amax_is_fresh():  # first step, or weights changed since the precompute
-                _all_reduce_amaxes(_stale_tensorwise_weights(self), self._group)
+                _all_reduce_amaxes(_stale_tensorwise_weights(self), self._group, self._reduce_device)
             amax = self._amax.to(dtypes[0]).to(dtypes[1])
         data, scale = quantize_weight(shard, plan, amax)
         data = _pad_rows(data, padded_rows)  # uneven sharding: zero rows, cut off after the gather
@@ -469,19 +488,22 @@ def _stale_tensorwise_weights(first: Fp8AllGatherWeight) -> list[Fp8AllGatherWei
         shard_dims = [d for d, p in enumerate(param.placements) if p.is_shard()]
         if len(shard_dims) != 1 or _group_name(param.device_mesh.get_group(shard_dims[0])) != group:
             continue
-        weight._group = first._group
+        weight._group, weight._reduce_device = first._group, first._reduce_device
         weights.append(weight)
     return weights
 
 
-def _all_reduce_amaxes(weights: list[Fp8AllGatherWeight], group) -> None:
-    """Whole-weight amaxes of ``weights`` (shards across ``group``): one all-reduce for all."""
+def _all_reduce_amaxes(weights: list[Fp8AllGatherWeight], group, device: torch.device) -> None:
+    """Whole-weight amaxes of ``weights`` (shards across ``group``): one all-reduce for all, on
+    ``device`` (each shard's amax is taken where the shard lives: a CPU-offloaded one on the CPU)."""
     # A rank's shard can be empty (more ranks than rows); 0 is neutral for the max.
     local = torch.stack(
         [
-            w._tensor.detach().abs().amax().to(torch.float32)
-            if w._tensor.numel()
-            else w._tensor.new_zeros((), dtype=torch.float32)
+            (
+                w._tensor.detach().abs().amax().to(torch.float32)
+                if w._tensor.numel()
+                else w._tensor.new_zeros((), dtype=torch.float32)
+            ).to(device)
             for w in weights
         ]
     )
@@ -511,7 +533,7 @@ def precompute_fp8_weight_amaxes(params) -> int:
         ):
             stale.setdefault(weight._group, []).append(weight)
     for group, weights in stale.items():
-        _all_reduce_amaxes(weights, group)
+        _all_reduce_amaxes(weights, group, weights[0]._reduce_device)
     return sum(len(w) for w in stale.values())
 
 

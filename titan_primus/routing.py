@@ -70,7 +70,8 @@ def select_backend(
     ``requested="auto"`` (overridden for a whole run by ``TITAN_PRIMUS_BACKEND``) takes the
     highest-ranked backend that can run it: Primus-Turbo on MI300-class devices where it imports,
     else TorchAO where the device has FP8 hardware; the emulation on a CPU (on a GPU it runs only
-    when requested, never in place of missing kernels). A backend requested by
+    when requested, never in place of missing kernels); a backend whose path for the op has not run
+    on its hardware yet (``Fp8Backend.chosen_automatically``) only when requested. A backend requested by
     name must be able to run it, or this raises :class:`BackendUnavailableError` with the reason.
     ``k``/``n`` (contracted and output dims) let backends refuse shapes their kernels cannot take.
     """
@@ -110,6 +111,9 @@ def _select(
     passed_over: list[tuple[str, str]] = []
     for backend in (b for b in ranked if b.rank(device) > 0):
         why_not = _check(backend, op, recipe, device, k, n)
+        if why_not is None:
+            automatic = backend.chosen_automatically(op, recipe, device)
+            why_not = None if automatic else automatic.reason
         if why_not is None:
             reason = "highest-ranked backend that runs it here" if passed_over else "preferred backend here"
             return RoutingDecision(

@@ -10,6 +10,7 @@ from titan_helpers import model_config
 import titan_primus as tp
 from real_turbo.conftest import ARCH, BUILD, one_arch
 from real_turbo.test_same_as_turbo import _grads
+from titan_primus.backends.primus_turbo import MX_ON_REQUEST
 from titan_primus.torchtitan import Float8Converter
 
 MX_BUILDS = ("v0.3.2.dev48", "v0.4.0", "v0.4.1.dev26")  # their MX Python code is the same
@@ -45,6 +46,13 @@ def test_block_recipes_per_build_and_architecture(op):
     verdict = tp.registry.get_backend("primus_turbo").supports(op, "mxfp8", tp.device_profile(ARCH), k=256, n=256)
     if ARCH == "gfx950" and BUILD in MX_BUILDS:
         assert verdict
+        # Runs only when asked for by name (its FlyDSL / HIP kernels have not run on an MI355X):
+        # auto passes it over with the reason; nothing else here runs mxfp8 on gfx950.
+        with pytest.raises(tp.BackendUnavailableError) as refused:
+            tp.select_backend(op, "mxfp8", ARCH, k=256, n=256)
+        assert f"primus_turbo: {MX_ON_REQUEST}" in str(refused.value)
+        named = tp.select_backend(op, "mxfp8", ARCH, "primus_turbo", k=256, n=256)
+        assert named.backend_name == "primus_turbo" and named.reason == "requested by name"
     else:
         assert not verdict
         assert ("upgrade Primus-Turbo" if BUILD not in MX_BUILDS else "MX hardware") in verdict.reason

@@ -82,6 +82,12 @@ class Fp8Backend(ABC):
         """Does it implement ``op`` with ``recipe`` on ``device``, for a contracted dim ``k`` and
         output dim ``n`` when given? Called after ``availability`` said yes."""
 
+    def chosen_automatically(self, op: Op, recipe: str, device: DeviceProfile) -> Verdict:
+        """May ``backend="auto"`` pick this backend for ``op`` with ``recipe`` on ``device``, where
+        it can run it? No: it runs that only when requested by name (a path not yet run on the
+        hardware it needs); routing passes it over with the reason. Default: yes."""
+        return Verdict.yes()
+
     @abstractmethod
     def recipe_for(self, recipe: str, device: DeviceProfile) -> Fp8Recipe:
         """The exact numerics this backend runs for ``recipe`` on ``device``."""

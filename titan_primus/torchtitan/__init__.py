@@ -8,7 +8,7 @@ try:
     from torchtitan.protocols.model import ModelConfigConverter  # noqa: F401
 
     from ..conversion import ConversionReport, LayerRoute
-    from .activation_checkpoint import Fp8SelectiveAC
+    from .activation_checkpoint import Fp8SelectiveAC, with_fp8_gemms_saved
     from .converter import Float8Converter
     from .modules import Fp8Linear, fp8_experts_class
 except ImportError as e:
@@ -21,4 +21,12 @@ except ImportError as e:
         instead="On TorchTitan 0.2.x use titan_primus.torchtitan02 through [experimental] custom_import",
     ) from e
 
-__all__ = ["ConversionReport", "Float8Converter", "Fp8Linear", "Fp8SelectiveAC", "LayerRoute", "fp8_experts_class"]
+__all__ = [
+    "ConversionReport",
+    "Float8Converter",
+    "Fp8Linear",
+    "Fp8SelectiveAC",
+    "LayerRoute",
+    "fp8_experts_class",
+    "with_fp8_gemms_saved",
+]

@@ -4,8 +4,11 @@
 The converter's config-registry entries (``--module titan_primus --config <stock>_fp8``) use it
 in place of a stock ``SelectiveAC.Config``; in a config of one's own::
 
-    from titan_primus.torchtitan import Fp8SelectiveAC
-    config.activation_checkpoint = Fp8SelectiveAC.Config()
+    from titan_primus.torchtitan import with_fp8_gemms_saved
+    config.activation_checkpoint = with_fp8_gemms_saved(config.activation_checkpoint)
+
+(``Fp8SelectiveAC.Config()`` for a new one). A converter cannot do this itself (TorchTitan hands it
+the model config only): ``Float8Converter.convert`` logs this fix whenever it converts a layer.
 
 or, on a stock config from the command line, ``--override.imports
 titan_primus.torchtitan.overrides.fp8_selective_ac``.

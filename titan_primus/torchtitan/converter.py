@@ -18,9 +18,22 @@ from ..conversion import ConversionOptions, LayerRouter, group_alignment, keep_f
 from ..sentinel import COMPILE_UNSUPPORTED, SentinelLayer, drive_trainer
 from .modules import Fp8Linear, fp8_experts_class, is_fp8_config
 
-__all__ = ["Float8Converter", "has_fp8_conversion"]
+__all__ = ["SELECTIVE_AC_FIX", "Float8Converter", "has_fp8_conversion"]
 
 logger = logging.getLogger("titan_primus")
+
+SELECTIVE_AC_FIX = (
+    "titan-primus: TorchTitan hands a converter the model config only, so it cannot make the trainer's "
+    "selective activation checkpointing save the FP8 GEMMs: under TorchTitan's stock SelectiveAC (the default "
+    "of Trainer.Config and of most stock configs) each FP8 GEMM of a checkpointed block runs again in backward "
+    "(4 per op per step instead of 3). Fix, in your config function: "
+    "`config.activation_checkpoint = with_fp8_gemms_saved(config.activation_checkpoint)` "
+    "(from titan_primus.torchtitan); with --override.imports: also list "
+    "titan_primus.torchtitan.overrides.fp8_selective_ac. Nothing to do if you have, or if activation "
+    "checkpointing is full or off; the ready configs (--module titan_primus --config <stock>_fp8) do it themselves."
+)
+"""Logged by :meth:`Float8Converter.convert`: TorchTitan 0.3 offers no seam from a model-config
+converter to the trainer's activation checkpointing config."""
 
 
 def has_fp8_conversion(model_config) -> bool:
@@ -112,6 +125,16 @@ class Float8Converter(QuantizationConverter):
             drive_trainer(Trainer, _model_compiled)
 
     def convert(self, model_config):
+        """``model_config`` with FP8 linears and experts, as ``model_registry`` calls it; logs
+        :data:`SELECTIVE_AC_FIX` when anything was converted (see :meth:`convert_model`)."""
+        model_config = self.convert_model(model_config)
+        if self.report.converted():
+            logger.warning(SELECTIVE_AC_FIX)
+        return model_config
+
+    def convert_model(self, model_config):
+        """:meth:`convert` for callers that make the activation checkpointing save the FP8 GEMMs
+        themselves (the ready configs: ``config_registry.with_fp8``)."""
         if self.config.linears:
             model_config = self._convert_linears(model_config)
         if self.config.grouped_experts:

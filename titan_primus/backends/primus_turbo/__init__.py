@@ -12,7 +12,8 @@ Recipe mapping (titan-primus name -> ``Float8QuantConfig``):
 - ``mxfp8`` -> ``format=E4M3, granularity=MX_BLOCKWISE, scale_dtype=E8M0, block_size=32``
   (v0.3.2.dev48+, gfx950 only): Primus-Turbo's public ops (their MX quantization and dense GEMMs are
   HIP and FlyDSL kernels), wrapped in titan-primus custom ops whose backward runs the forward
-  again from the saved input and weight, so no FP8 copy of the weight outlives the forward.
+  again from the saved input and weight, so no FP8 copy of the weight outlives the forward. Chosen
+  only when requested by name (``MX_ON_REQUEST``): no test here runs it, nor has it run on an MI355X.
 - ``rowwise_with_gw_hp`` has no Primus-Turbo equivalent (every Primus-Turbo wgrad is FP8).
 """
 
@@ -31,6 +32,15 @@ from .release import TurboApi, api_loaded, describe_build, forget_api, imported,
 from .rules import refusal
 
 __all__ = ["PrimusTurboBackend", "load_api", "describe_build"]
+
+
+MX_ON_REQUEST = (
+    "Primus-Turbo's mxfp8 runs only when asked for by name (backend='primus_turbo'): its MX quantizers "
+    "and dense MX GEMMs are FlyDSL and HIP kernels, which no test here can run (neither the interpreter "
+    "nor a stand-in runs them), and this path has not yet run on an MI355X (gfx950)"
+)
+"""Why ``backend="auto"`` passes Primus-Turbo over for ``mxfp8``, until its mx path has run on
+gfx950 hardware (backends/primus_turbo/mx.py)."""
 
 
 class PrimusTurboBackend(Fp8Backend):
@@ -77,6 +87,11 @@ class PrimusTurboBackend(Fp8Backend):
             return Verdict.no(api)
         why = refusal(api, device, op, recipe, k, n)
         return Verdict.no(why) if why else Verdict.yes()
+
+    def chosen_automatically(self, op: Op, recipe: str, device: DeviceProfile) -> Verdict:
+        if recipe == "mxfp8":
+            return Verdict.no(MX_ON_REQUEST)
+        return Verdict.yes()
 
     def recipe_for(self, recipe: str, device: DeviceProfile) -> Fp8Recipe:
         return make_recipe(recipe, "primus_turbo", device)
