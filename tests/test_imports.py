@@ -6,8 +6,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 import titan_primus
 
 PACKAGE_DIR = Path(titan_primus.__file__).parent
@@ -85,12 +83,10 @@ def test_the_graph_is_read():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-@pytest.mark.xfail(strict=True, reason="sentinel.check imports cli.parity (issue 28: the core takes its thresholds)")
 def test_no_import_circle():
     assert _cycles(GRAPH) == []
 
 
-@pytest.mark.xfail(strict=True, reason="sentinel.check imports cli.parity (issue 28: the core takes its thresholds)")
 def test_the_library_never_imports_its_cli():
     offenders = {
         name: sorted(t for t in targets if t == "titan_primus.cli" or t.startswith("titan_primus.cli."))
