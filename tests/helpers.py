@@ -1,6 +1,6 @@
 """Shared test helpers. The fp32 references, forward+backward runners and SQNR bars live in
-titan_primus.cli.parity (the parity command uses them too); they are re-exported here under the
-names the tests use."""
+titan_primus.numerics (the parity command and the sentinel use them too); they are re-exported here
+under the names the tests use."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from titan_primus import DeviceProfile, device_profile, make_recipe
-from titan_primus.cli.parity import (
+from titan_primus.numerics import (
     fp32_bars,
     make_offsets,
     reference_grouped,

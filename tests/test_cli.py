@@ -122,6 +122,26 @@ def test_doctor_reports_a_missing_torchtitan_in_one_line(capsys, monkeypatch):
     assert "not installed" in line
 
 
+def test_doctor_routing_rows_are_short_and_each_long_reason_is_listed_once(capsys):
+    # As a new user tries it: a named MI300X profile without Primus-Turbo, where most rows have no
+    # backend and every row passes over the same backends for the same long reasons.
+    code, out, _ = run_cli(capsys, "doctor", "--device", "gfx942")
+    assert code == 0
+    table = out[out.index("routing on gfx942") :].split("\n\n")[0].splitlines()[1:]
+    assert len(table) == 2 + 2 * len(tp.RECIPE_NAMES)
+    assert max(len(line) for line in table) <= 160
+    notes = out[out.index("why backends were passed over:") :].splitlines()[1:]
+    assert len(notes) == len(set(notes)) and all(line.startswith("  [") for line in notes if line)
+    turbo = [line for line in notes if "Primus-Turbo is not importable" in line]
+    assert len(turbo) == 1 and out.count("Primus-Turbo is not importable") == 3  # versions, backends, notes
+    number = turbo[0].split("]")[0].strip() + "]"
+    assert all(f"primus_turbo {number}" in row for row in table[2:])
+    diagnosis = json.loads(run_cli(capsys, "doctor", "--json", "--device", "gfx942")[1])
+    unrouted = [r for r in diagnosis["routing"] if r["backend"] is None]
+    assert unrouted and all(r["reason"].startswith("no backend can run") for r in unrouted)
+    assert all({p["backend"] for p in r["passed_over"]} == {"primus_turbo", "torchao", "emulated"} for r in unrouted)
+
+
 @pytest.mark.parametrize("plugin_backend", [WrongBackend], indirect=True)
 def test_doctor_json_shows_plugins_and_a_named_profile(capsys, plugin_backend):
     code, out, _ = run_cli(capsys, "doctor", "--json", "--device", "gfx942")

@@ -14,7 +14,7 @@ from test_distributed import torchrun_script
 from titan_helpers import build, model_config
 
 import titan_primus as tp
-from titan_primus.cli.parity import fp32_bars
+from titan_primus.numerics import fp32_bars
 from titan_primus.metrics import sqnr
 from titan_primus.torchtitan import Float8Converter
 

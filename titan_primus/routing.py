@@ -21,7 +21,12 @@ BACKEND_ENV = "TITAN_PRIMUS_BACKEND"
 
 
 class BackendUnavailableError(RuntimeError):
-    """An explicitly requested backend cannot run the op here."""
+    """An explicitly requested backend cannot run the op here, or no backend can."""
+
+    def __init__(self, message: str, passed_over: tuple[tuple[str, str], ...] = ()):
+        super().__init__(message)
+        self.passed_over = passed_over
+        """(backend, why not) of each backend tried, for a caller that lists them itself."""
 
 
 @dataclass(frozen=True)
@@ -127,4 +132,6 @@ def _select(
             )
         passed_over.append((backend.name, why_not))
     reasons = "; ".join(f"{name}: {why}" for name, why in (*passed_over, *not_here))
-    raise BackendUnavailableError(f"no backend can run {op} with recipe {recipe!r} on {device.describe()}: {reasons}")
+    raise BackendUnavailableError(
+        f"no backend can run {op} with recipe {recipe!r} on {device.describe()}: {reasons}", (*passed_over, *not_here)
+    )

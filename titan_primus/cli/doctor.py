@@ -125,7 +125,7 @@ def _routing(profile: DeviceProfile) -> list[dict]:
                         "backend": None,
                         "definition": None,
                         "reason": str(e),
-                        "passed_over": [],
+                        "passed_over": [{"backend": name, "reason": why} for name, why in e.passed_over],
                     }
                 )
                 continue
@@ -202,7 +202,11 @@ def render(diagnosis: dict) -> str:
             ],
         )
     )
-    lines += ["", f"routing on {device['arch']} (op x recipe -> backend):"]
+    # Each backend's reason, long and the same for many rows, is listed once below the table;
+    # the rows cite it by number (the JSON keeps every row's reasons in full).
+    passed_over = sorted({(p["backend"], p["reason"]) for r in diagnosis["routing"] for p in r["passed_over"]})
+    note = {reason: n for n, reason in enumerate(passed_over, 1)}
+    lines += ["", f"routing on {device['arch']} (op x recipe -> backend; [n]: why a backend was passed over, below):"]
     lines.append(
         markdown_table(
             ["op", "recipe", "backend", "definition", "why", "passed over"],
@@ -212,17 +216,16 @@ def render(diagnosis: dict) -> str:
                     r["recipe"],
                     r["backend"] or "NONE",
                     r["definition"] or "-",
-                    r["reason"],
-                    ", ".join(p["backend"] for p in r["passed_over"]) or "-",
+                    r["reason"] if r["backend"] else "no backend can run it here",
+                    ", ".join(f"{p['backend']} [{note[p['backend'], p['reason']]}]" for p in r["passed_over"]) or "-",
                 ]
                 for r in diagnosis["routing"]
             ],
         )
     )
-    passed_over = {(p["backend"], p["reason"]) for r in diagnosis["routing"] for p in r["passed_over"]}
     if passed_over:
         lines += ["", "why backends were passed over:"]
-        lines += [f"  {name}: {why}" for name, why in sorted(passed_over)]
+        lines += [f"  [{n}] {name}: {why}" for (name, why), n in note.items()]
     return "\n".join(lines) + "\n"
 
 

@@ -5,13 +5,12 @@ backward run on seeded inputs, and the SQNR (:func:`titan_primus.sqnr`) of out, 
 grad_weight is measured against an fp32 reference computed from the same inputs, and between
 backends that implement the same recipe definition.
 
-Thresholds, per GEMM, read off the recipe the backend runs (Primus-Turbo's own accuracy gates):
-  vs fp32: 25 dB where the GEMM's operands are e4m3; 20 dB where one is e5m2 (tensorwise
-  gradients); 50 dB where the GEMM stays in high precision (rowwise_with_gw_hp's wgrad).
-  Same definition: 40 dB between two runs of one recipe definition. Where two backends define a
-  recipe differently (TorchAO rounds rowwise scales to powers of two, Primus-Turbo does not),
-  they are not compared with each other; each is compared with fp32, and with the emulated
-  backend running its own definition (the emulation reproduces every definition).
+Thresholds, fp32 references and the same-definition comparison are the core's
+(:mod:`titan_primus.numerics`): per GEMM vs fp32, and 40 dB between two runs of one recipe
+definition (whole-tensor SQNR here; the sentinel adds a row floor). Where two backends define a
+recipe differently (TorchAO rounds rowwise scales to powers of two, Primus-Turbo does not), they
+are not compared with each other; each is compared with fp32, and with the emulated backend
+running its own definition (the emulation reproduces every definition).
 Besides the thresholds, every output must be finite and rows of a grouped GEMM past the last
 group must get exactly zero output and gradient.
 
@@ -37,10 +36,23 @@ from tqdm import tqdm
 from .. import registry
 from ..device import DeviceProfile, device_profile
 from .doctor import describe_error, environment, resolve_profile, why_not
-from ..grouping import group_bounds
-from ..metrics import sqnr
+from ..numerics import (
+    E4M3_BAR_DB,
+    E5M2_BAR_DB,
+    HIGH_PRECISION_BAR_DB,
+    QUANTITIES,
+    SAME_DEFINITION_BAR_DB,
+    compare_quantities,
+    fp32_bars,
+    make_offsets,
+    reference_grouped,
+    reference_linear,
+    run_grouped,
+    run_linear,
+    sqnrs,
+)
 from ..ops import fp8_grouped_mm, fp8_linear
-from ..recipes import RECIPE_NAMES, Fp8Recipe, GemmCasts
+from ..recipes import RECIPE_NAMES, Fp8Recipe
 from .report import (
     db_value,
     document,
@@ -58,94 +70,12 @@ __all__ = [
     "GroupedCase",
     "LinearCase",
     "command",
-    "fp32_bars",
-    "make_offsets",
-    "reference_grouped",
-    "reference_linear",
-    "run_grouped",
-    "run_linear",
     "run_matrix",
-    "sqnrs",
 ]
 
-QUANTITIES = ("out", "grad_input", "grad_weight")
-E4M3_BAR_DB = 25.0
-E5M2_BAR_DB = 20.0
-HIGH_PRECISION_BAR_DB = 50.0
-SAME_DEFINITION_BAR_DB = 40.0
 FNUZ_PROFILE = "gfx942"
 # The pure-PyTorch emulation runs every definition everywhere: the oracle the others are compared with.
 ORACLE = "emulated"
-
-
-# --- fp32 references and forward+backward runs (the test suite uses these too) ---------------
-
-
-def make_offsets(counts: list[int] | tuple[int, ...]) -> torch.Tensor:
-    """int32 cumulative end offsets (TorchTitan's ``offs``) of groups with ``counts`` rows."""
-    return torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-
-
-def run_linear(fn, x, weight, bias, grad_out):
-    """(out, grad_x, grad_w, grad_b) of ``fn(x, weight, bias)`` for upstream gradient ``grad_out``."""
-    x = x.detach().clone().requires_grad_()
-    weight = weight.detach().clone().requires_grad_()
-    bias = None if bias is None else bias.detach().clone().requires_grad_()
-    out = fn(x, weight, bias)
-    out.backward(grad_out.to(out.dtype))
-    return out, x.grad, weight.grad, None if bias is None else bias.grad
-
-
-def reference_linear(x, weight, bias, grad_out):
-    """fp32 reference computed from the same (possibly bf16-rounded) inputs."""
-
-    def fp32(x, w, b):
-        out = x.float() @ w.float().t()
-        return out if b is None else out + b.float()
-
-    return run_linear(fp32, x, weight, bias, grad_out.float())
-
-
-def run_grouped(fn, A, W, offs, grad_out):
-    """(out, grad_A, grad_W) of ``fn(A, W.transpose(-2, -1), offs)``; W is [E, N, K] like TorchTitan."""
-    A = A.detach().clone().requires_grad_()
-    W = W.detach().clone().requires_grad_()
-    out = fn(A, W.transpose(-2, -1), offs)
-    out.backward(grad_out.to(out.dtype))
-    return out, A.grad, W.grad
-
-
-def reference_grouped(A, W, offs, grad_out):
-    """fp32 reference: one matmul per group; rows past the last group stay zero."""
-
-    def fp32(A, B_t, offs):
-        out = A.new_zeros(A.shape[0], B_t.shape[2], dtype=torch.float32)
-        for g, (s, e) in enumerate(group_bounds(offs)):
-            out[s:e] = A[s:e].float() @ B_t[g].float()
-        return out
-
-    return run_grouped(fp32, A, W, offs, grad_out.float())
-
-
-def sqnrs(reference, actual) -> list[float]:
-    """SQNR of each tensor of ``actual`` against ``reference``, skipping absent (None) ones."""
-    return [sqnr(r, a) for r, a in zip(reference, actual) if r is not None]
-
-
-# --- thresholds ---------------------------------------------------------------------------
-
-
-def gemm_bar(casts: GemmCasts) -> float:
-    """Minimum SQNR vs fp32 (dB) of one GEMM's result, from how its operands are cast."""
-    formats = {casts.a.fmt, casts.b.fmt}
-    if formats == {None}:
-        return HIGH_PRECISION_BAR_DB
-    return E5M2_BAR_DB if "e5m2" in formats else E4M3_BAR_DB
-
-
-def fp32_bars(recipe: Fp8Recipe) -> tuple[float, float, float]:
-    """Minimum SQNR vs fp32 (dB) of (out, grad_input, grad_weight) under ``recipe``."""
-    return gemm_bar(recipe.output), gemm_bar(recipe.grad_input), gemm_bar(recipe.grad_weight)
 
 
 # --- shape cases ---------------------------------------------------------------------------
@@ -434,9 +364,10 @@ def _judge(runs: list[_Run], reference, case, inputs) -> None:
         run.row.problems = case.problems(inputs, run.outputs)
     for first, second in combinations(runs, 2):  # the oracle comes first, so it is the reference
         if first.recipe.definition == second.recipe.definition:
-            measured = sqnrs(first.outputs, second.outputs)
+            # Whole-tensor SQNR only: no row floor and no bit-exactness asked (the sentinel asks both).
+            compared = compare_quantities(dict(zip(QUANTITIES, first.outputs)), dict(zip(QUANTITIES, second.outputs)))
             second.row.checks += [
-                Check(q, first.row.backend, db, SAME_DEFINITION_BAR_DB) for q, db in zip(QUANTITIES, measured)
+                Check(c.quantity, first.row.backend, c.sqnr_db, SAME_DEFINITION_BAR_DB) for c in compared
             ]
         else:
             first.row.differs_from.append(second.row.label)

@@ -19,7 +19,8 @@ import torch
 from .. import registry
 from ..fsdp_fp8 import Fp8GatheredWeight
 from ..sentinel.capture import load_capture
-from ..sentinel.check import QUANTITIES, GemmRecord, finite, judge, recompute
+from ..numerics import QUANTITIES
+from ..sentinel.check import GemmRecord, finite, judge, recompute
 from .doctor import describe_error, environment, resolve_profile, why_not
 from .report import document, format_db, markdown_table, prepare_output, write_document
 

@@ -17,9 +17,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..backends.emulated import EmulatedBackend
-from ..cli.parity import SAME_DEFINITION_BAR_DB
 from ..fsdp_fp8 import Fp8GatheredWeight
-from ..metrics import sqnr
+from ..numerics import QUANTITIES, SAME_DEFINITION_BAR_DB, SAME_DEFINITION_ROW_BAR_DB, QuantityCheck, compare_quantities
 from ..recipes import Fp8Recipe
 
 __all__ = [
@@ -30,16 +29,14 @@ __all__ = [
     "GemmRecord",
     "QuantityCheck",
     "check_record",
-    "compare",
     "finite",
     "judge",
     "recompute",
     "snapshot",
 ]
 
-QUANTITIES = ("out", "grad_input", "grad_weight")
 FLOOR_DB = SAME_DEFINITION_BAR_DB
-ROW_FLOOR_DB = FLOOR_DB / 2
+ROW_FLOOR_DB = SAME_DEFINITION_ROW_BAR_DB
 _EMULATION = EmulatedBackend()
 
 
@@ -98,27 +95,6 @@ class GemmRecord:
 
 
 @dataclass
-class QuantityCheck:
-    quantity: str
-    sqnr_db: float
-    bitwise_equal: bool
-    finite: bool
-    rows: int
-    differing_rows: list[int]
-
-    def to_json(self) -> dict:
-        return {
-            "quantity": self.quantity,
-            "sqnr_db": self.sqnr_db if math.isfinite(self.sqnr_db) else str(self.sqnr_db),
-            "bitwise_equal": self.bitwise_equal,
-            "finite": self.finite,
-            "rows": self.rows,
-            "differing_rows": len(self.differing_rows),
-            "first_differing_rows": self.differing_rows[:8],
-        }
-
-
-@dataclass
 class GemmCheck:
     record: GemmRecord
     bit_exact: bool
@@ -157,33 +133,6 @@ def finite(t) -> bool:
     return bool(torch.isfinite(t).all())
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as [rows, last dim] in float64 (a weight gradient's rows are its output features)."""
-    t = t.detach().to(torch.float64)
-    return t.reshape(-1, t.shape[-1]) if t.dim() > 1 else t.reshape(1, -1)
-
-
-def compare(quantity: str, reference: torch.Tensor, actual: torch.Tensor, bitwise: bool) -> QuantityCheck:
-    """``actual`` (the backend's) against ``reference`` (the emulation's)."""
-    if reference.numel() == 0:
-        return QuantityCheck(quantity, math.inf, True, True, 0, [])
-    ref, act = _rows(reference), _rows(actual)
-    finite_rows = torch.isfinite(act).all(-1)
-    if bitwise:
-        wrong = (ref != act).any(-1) | ~finite_rows
-    else:
-        noise = (ref - act).pow(2).sum(-1)
-        wrong = ~finite_rows | (noise > ref.pow(2).sum(-1) * 10 ** (-ROW_FLOOR_DB / 10))
-    return QuantityCheck(
-        quantity,
-        sqnr(reference, actual),
-        reference.dtype == actual.dtype and torch.equal(reference, actual),
-        bool(finite_rows.all()),
-        ref.shape[0],
-        wrong.nonzero().flatten().tolist(),
-    )
-
-
 def recompute(record: GemmRecord, backend=_EMULATION, backward: bool = True) -> dict[str, torch.Tensor | None]:
     """out, grad_input and grad_weight (``backward``) of ``record``'s op on ``backend``
     (default: the emulation of ``record.recipe``, the same definition) from the captured
@@ -208,10 +157,7 @@ def recompute(record: GemmRecord, backend=_EMULATION, backward: bool = True) -> 
 def judge(record: GemmRecord, reference: dict, actual: dict, bit_exact: bool) -> GemmCheck:
     """``actual``'s quantities (a backend's) against ``reference`` (the emulation's)."""
     result = GemmCheck(record, bit_exact)
-    for quantity in QUANTITIES:
-        if reference.get(quantity) is None or actual.get(quantity) is None:
-            continue
-        check = compare(quantity, reference[quantity], actual[quantity], bit_exact)
+    for check in compare_quantities(reference, actual, bit_exact, ROW_FLOOR_DB):
         result.quantities.append(check)
         result.problems += _problems(check, record, bit_exact)
     return result

@@ -36,7 +36,7 @@ from ...device import DeviceProfile
 from ..base import Op
 
 if TYPE_CHECKING:
-    from .release import TurboApi
+    from .api import TurboApi
 
 __all__ = ["refusal", "min_token_rows", "dense_backend", "ALIGNMENT", "BLOCK_RECIPES", "MX_MIN_SURFACE"]
 

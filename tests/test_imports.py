@@ -1,0 +1,96 @@
+"""The package's import graph, read statically (ast over titan_primus/): no import circle among its
+modules, function-level and TYPE_CHECKING imports counted too, and the library never imports its CLI."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import titan_primus
+
+PACKAGE_DIR = Path(titan_primus.__file__).parent
+
+
+def _module_name(path: Path) -> str:
+    parts = ("titan_primus",) + path.relative_to(PACKAGE_DIR).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for p in sorted(PACKAGE_DIR.rglob("*.py"))}
+
+
+def _imports(name: str, path: Path) -> set[str]:
+    """The titan_primus modules ``name`` imports anywhere in its file: module level, inside
+    functions, under TYPE_CHECKING. ``from pkg import sub`` counts as importing ``pkg.sub``
+    where ``sub`` is a module."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base for alias in node.names]
+        else:
+            continue
+        found.update(t for t in targets if t in MODULES and t != name)
+    return found
+
+
+GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One circle per strongly connected component of more than one module (Tarjan)."""
+    index, low, stack, on_stack, components = {}, {}, [], set(), []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for succ in sorted(graph[node]):
+            if succ not in index:
+                visit(succ)
+                low[node] = min(low[node], low[succ])
+            elif succ in on_stack:
+                low[node] = min(low[node], index[succ])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                components.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return components
+
+
+def test_the_graph_is_read():
+    # The reader must see relative, function-level and TYPE_CHECKING imports, or the checks below
+    # could pass on an empty graph.
+    assert "titan_primus.backends.base" in GRAPH["titan_primus.backends.primus_turbo.rules"]
+    assert "titan_primus.torchtitan" in GRAPH["titan_primus"]  # inside __getattr__
+    assert "titan_primus.backends.primus_turbo.mx" in GRAPH["titan_primus.backends.primus_turbo"]
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_import_circle():
+    assert _cycles(GRAPH) == []
+
+
+def test_the_library_never_imports_its_cli():
+    offenders = {
+        name: sorted(t for t in targets if t == "titan_primus.cli" or t.startswith("titan_primus.cli."))
+        for name, targets in GRAPH.items()
+        if not (name == "titan_primus.cli" or name.startswith("titan_primus.cli."))
+    }
+    assert {name: found for name, found in offenders.items() if found} == {}
