@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ..device import DeviceProfile
-from ..fsdp_fp8 import Fp8GatheredWeight
+from ..fsdp_fp8.gathered import Fp8GatheredWeight
 from ..grouping import group_ids, zero_trailing_rows
 from ..recipes import RECIPE_NAMES, Fp8Recipe, GemmCasts, has_definition, make_recipe
 from ..scaling import fake_quantize, quantize, quantize_per_group, unscale

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from ...device import DeviceProfile, detect_device
-from ...fsdp_fp8 import Fp8GatheredWeight
+from ...fsdp_fp8.gathered import Fp8GatheredWeight
 from ...grouping import zero_trailing_rows
 from ...recipes import RECIPE_NAMES, Fp8Recipe, has_definition, make_recipe
 from ..base import Fp8Backend, Op, Verdict

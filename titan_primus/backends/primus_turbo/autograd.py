@@ -19,7 +19,7 @@ differ, both about memory:
   ``torch.compile(fullgraph=True)`` graphs (Primus-Turbo's public ops are
   ``torch._dynamo.disable``d).
 
-A weight FSDP2 gathered in FP8 (:class:`~titan_primus.fsdp_fp8.Fp8GatheredWeight`, tensorwise and
+A weight FSDP2 gathered in FP8 (:class:`~titan_primus.fsdp_fp8.gathered.Fp8GatheredWeight`, tensorwise and
 rowwise) is taken as it is: its payload and ``scale_inv`` are exactly what the quantizer would
 have made of the gathered bf16 weight.
 """
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from ...fsdp_fp8 import Fp8GatheredWeight
+from ...fsdp_fp8.gathered import Fp8GatheredWeight
 from ...grouping import group_lens
 from ...recipes import sixteen_bit
 from .release import TurboApi, require_api
