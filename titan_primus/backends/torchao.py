@@ -59,7 +59,10 @@ class _OneDNNSwitch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, enabled_in_backward: bool | None, *tensors):
         ctx.enabled_in_backward = enabled_in_backward
-        return tuple(t.view_as(t) for t in tensors)
+        out = tuple(t.view_as(t) for t in tensors)
+        # A tensor that needs no gradient (a frozen weight) must come out needing none too.
+        ctx.mark_non_differentiable(*(o for o, t in zip(out, tensors) if not t.requires_grad))
+        return out
 
     @staticmethod
     def backward(ctx, *grads):
@@ -318,7 +321,15 @@ def _linear_function():
     policy recomputes every second one; 0.2.x saves no ``_scaled_mm``). Here the forward makes
     the same casts with TorchAO's functions and calls TorchAO's ``mm`` implementation directly,
     which reaches ``torch._scaled_mm`` with the FP8 payloads: the same kernel and numerics, seen
-    as ``aten._scaled_mm``. The backward is TorchAO's own."""
+    as ``aten._scaled_mm``.
+
+    The backward makes TorchAO's own casts and GEMMs (``torchao/float8/float8_linear.py``,
+    0.18: lines 94-204), each only where its gradient is needed: TorchAO's runs both GEMMs and
+    all four casts whatever ``ctx.needs_input_grad`` says, and its forward keeps both operands
+    (line 45). Here a frozen weight (LoRA, frozen layers) costs no wgrad GEMM and no cast of the
+    input or of grad_output for it, and forward keeps no input; an input that needs no gradient
+    costs no dgrad GEMM and no weight cast, and forward keeps no weight."""
+    from torchao.float8.config import ScalingType
     from torchao.float8.distributed_utils import tensor_already_casted_to_fp8
     from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
     from torchao.float8.float8_ops import float8_mm
@@ -326,7 +337,8 @@ def _linear_function():
     from torchao.float8.float8_training_tensor import GemmInputRole
 
     def cast(t, cast_config, config, mm_config, role, axiswise_dim):
-        if tensor_already_casted_to_fp8(t):  # a weight FSDP2 all-gathered in FP8
+        # Already FP8 (a weight FSDP2 all-gathered in FP8), or a GEMM run in high precision.
+        if tensor_already_casted_to_fp8(t) or cast_config.scaling_type is ScalingType.DISABLED:
             return t
         granularity = cast_config.scaling_granularity
         return hp_tensor_to_float8_dynamic(
@@ -342,11 +354,29 @@ def _linear_function():
     class Float8Matmul(matmul_with_hp_or_float8_args):
         @staticmethod
         def forward(ctx, input_hp, weight_hp_t, linear_mm_config, config):
-            ctx.save_for_backward(input_hp, weight_hp_t)
+            need_input, need_weight = ctx.needs_input_grad[:2]
+            ctx.save_for_backward(input_hp if need_weight else None, weight_hp_t if need_input else None)
             ctx.linear_mm_config, ctx.config = linear_mm_config, config
             a = cast(input_hp, config.cast_config_input, config, linear_mm_config, GemmInputRole.INPUT, -1)
             b = cast(weight_hp_t, config.cast_config_weight, config, linear_mm_config, GemmInputRole.WEIGHT, 0)
             return float8_mm(torch.ops.aten.mm.default, (a, b))
+
+        @staticmethod
+        def backward(ctx, grad_output):
+            input_hp, weight_hp_t = ctx.saved_tensors
+            c, mm_config = ctx.config, ctx.linear_mm_config
+            grad = grad_output.reshape(-1, grad_output.shape[-1])
+            grad_input = grad_weight_t = None
+            if ctx.needs_input_grad[0]:
+                g = cast(grad, c.cast_config_grad_output, c, mm_config, GemmInputRole.GRAD_OUTPUT, -1)
+                w = cast(weight_hp_t, c.cast_config_weight_for_grad_input, c, mm_config, GemmInputRole.WEIGHT, -1)
+                grad_input = torch.mm(g, w.t()).reshape(*grad_output.shape[:-1], -1)
+            if ctx.needs_input_grad[1]:
+                x = input_hp.reshape(-1, input_hp.shape[-1])
+                g = cast(grad, c.cast_config_grad_output_for_grad_weight, c, mm_config, GemmInputRole.GRAD_OUTPUT, 0)
+                x = cast(x, c.cast_config_input_for_grad_weight, c, mm_config, GemmInputRole.INPUT, 0)
+                grad_weight_t = torch.mm(g.t(), x).t()
+            return grad_input, grad_weight_t, None, None
 
     return Float8Matmul
 
