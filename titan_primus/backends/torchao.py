@@ -18,7 +18,7 @@ from functools import cached_property
 import torch
 
 from ..device import DeviceProfile
-from ..grouping import zero_trailing_rows
+from ..grouping import mask_trailing_rows_of_grad, zero_trailing_rows
 from ..recipes import RECIPE_NAMES, Fp8Recipe, make_recipe
 from .base import Fp8Backend, Op, Verdict
 
@@ -86,8 +86,10 @@ def _sm(device: DeviceProfile) -> int:
 
 
 def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
-    """``t`` with zero rows appended up to a multiple of ``multiple`` (zeros change no block amax)."""
-    return torch.nn.functional.pad(t, (0, 0, 0, -t.shape[0] % multiple))
+    """``t`` with zero rows appended up to a multiple of ``multiple`` (zeros change no block amax);
+    ``t`` itself where it has whole multiples (``F.pad`` copies even when it adds nothing)."""
+    missing = -t.shape[0] % multiple
+    return torch.nn.functional.pad(t, (0, 0, 0, missing)) if missing else t
 
 
 class TorchAOBackend(Fp8Backend):
@@ -256,9 +258,10 @@ class TorchAOBackend(Fp8Backend):
         # Both upstream functions also block along the token dimension (wgrad) and assert whole
         # blocks there: pad the rows with zeros (no block amax changes) and drop them after.
         rows, out_dtype = x.shape[0], x.dtype
-        # Both upstream functions take one dtype for x and weight: quantize both from the wider.
-        common = torch.promote_types(x.dtype, weight.dtype)
-        x, weight = _pad_rows(x, _BLOCK[recipe.name]).to(common), weight.to(common)
+        # Both upstream functions take one dtype for x and weight, and keep both for backward:
+        # x comes in the weight's dtype (an activation-sized cast, as autocast makes it), never
+        # the weight in x's (a weight-sized copy kept from forward to backward).
+        x = _pad_rows(x, _BLOCK[recipe.name]).to(weight.dtype)
         if recipe.name == "blockwise":
             from torchao.prototype.blockwise_fp8_training.linear import fp8_blockwise_mm
 
@@ -293,11 +296,19 @@ class TorchAOBackend(Fp8Backend):
         # It takes float32 or bfloat16 operands only (asserted in fp8_grouped_mm.py); its output
         # is bfloat16 and its gradients bfloat16, cast to the operands' dtypes by autograd.
         A, B_t = (t.bfloat16() if t.dtype == torch.float16 else t for t in (A, B_t))
-        # Masking the input too drops whatever the kernel writes into trailing rows of grad_A.
-        # It also asserts a row-major A and a column-major B_t (stride(-2) == 1): TorchTitan's
-        # transposed view of its [E, N, K] expert weights is one and passes as it is; any other
-        # layout is copied into one (autograd hands the gradient back in the caller's layout).
-        A = zero_trailing_rows(A, offs).contiguous()
+        # A goes in as it is, so TorchAO keeps the caller's tokens (w1 and w3 of a MoE block share
+        # one saved copy, as in stock TorchTitan): rows past offs[-1] enter none of TorchAO 0.18's
+        # scales (fp8_grouped_mm.py: rowwise scales of A and grad_output are per row, B_t's over
+        # K, and the wgrad's per-group column scales, jagged_float8_scales.py:622-650, loop over
+        # each group's rows only), and no GEMM reads them. What the kernels leave in those rows of
+        # the output and of grad_A is masked instead (the output's mask also zeroes their
+        # incoming gradient).
+        # TorchAO asserts a row-major A and a column-major B_t (stride(-2) == 1, its asserts at
+        # fp8_grouped_mm.py:109, 112; its B_t quantizer reads that layout). TorchTitan's transposed
+        # view of its [E, N, K] expert weights is one and passes as it is; a row-major [E, K, N]
+        # B_t has no view TorchAO takes, so it is copied into one, on each call (autograd hands
+        # the gradient back in the caller's layout).
+        A = mask_trailing_rows_of_grad(A.contiguous(), offs)
         if B_t.stride(-2) != 1:
             B_t = B_t.transpose(-2, -1).contiguous().transpose(-2, -1)
         out = self._grouped_mm_fn(
