@@ -115,3 +115,12 @@ def test_torchao_mx_linear_keeps_no_weight_copy_and_pads_only_where_needed(x_dty
     assert by_reference == (x_dtype == torch.bfloat16)
     out.float().sum().backward()
     assert x.grad.dtype == x_dtype and w.grad.dtype == torch.bfloat16
+
+
+def test_torchao_moe_block_keeps_the_routed_tokens_once():
+    """w1 and w3 of a MoE block multiply the same routed tokens: TorchAO keeps them once (the
+    caller's tensor), as stock TorchTitan does, and no weight copy."""
+    from torchao_moe_block_memory import moe_block_kept
+
+    result = moe_block_kept(tokens=96, dim=64, hidden=48, experts=2)
+    assert result["token_copies"] == 1 and result["kept"]["weight_copy"] == 0, result
