@@ -7,7 +7,12 @@ transposes between the kernels) and only the kernels are replaced: each stand-in
 TorchAO 0.18 kernel does (fp32 scales ``fp8_max / max(amax, 1e-12)`` taken in float64, floored to
 a power of 2; scale, clamp, cast), returns the layouts it returns, and the GEMM checks the
 layouts the CUDA kernel requires (A row-major, B column-major). Rows past the last group are left
-NaN, as undefined as the kernel leaves them. Evidence about TorchAO's Python, not its kernels."""
+NaN, as undefined as the kernel leaves them. Evidence about TorchAO's Python, not its kernels.
+
+What the memory audit measures on it is therefore what TorchAO 0.18 itself keeps: its
+``_Float8GroupedMM.forward`` saves ``padded_A`` (A as handed over, ``pad_token_groups_for_grouped_mm``
+being False), ``B_t`` and the offsets (``torchao/prototype/moe_training/fp8_grouped_mm.py``, lines
+155-157), none of the stand-ins' outputs."""
 
 from __future__ import annotations
 

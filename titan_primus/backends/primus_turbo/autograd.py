@@ -89,10 +89,17 @@ def _weight_for_backward(
     Under torch.compile the joint graph would otherwise keep an FP8 weight copy from forward to
     backward: a custom op of its own, so it is not merged with the forward's identical cast, and
     taking the incoming gradient (unused), so the partitioner cannot place it in the forward. Its
-    fake implementation is the same code, on Primus-Turbo's fake implementations."""
+    fake implementation is the same code, on Primus-Turbo's fake implementations. Its outputs are
+    always new tensors (a custom op must not alias its inputs): a gathered payload backward reads
+    as it is (tensorwise, blockwise) is not passed through it."""
     api = require_api()
     if scale_inv is None:
         q, scale_inv = _weight_forward(api, weight, fp8_dtype, recipe, axis)
+    elif recipe != "rowwise":
+        raise ValueError(
+            f"primus_turbo_weight_for_backward would return its inputs for a gathered {recipe} weight "
+            f"(a custom op must not alias them): use the gathered payload itself"
+        )
     else:
         q = weight
     if recipe != "rowwise":
@@ -109,7 +116,7 @@ def _weight_backward(
 ):
     if not isinstance(weight, Fp8GatheredWeight):
         return _weight_for_backward(weight, None, grad, recipe, fp8_dtype, weight.dtype, axis, new_axis)
-    if recipe == "tensorwise":  # the gathered payload itself, FSDP2's storage
+    if recipe != "rowwise":  # the gathered payload itself, FSDP2's storage
         return weight.fp8_data(), weight.scale_inv()
     return _weight_for_backward(
         weight.fp8_data(), weight.scale_inv(), grad, recipe, fp8_dtype, weight._source_dtype, axis, new_axis
