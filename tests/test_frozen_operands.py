@@ -2,8 +2,8 @@
 frozen layers) or the input not requiring grad, backward runs one FP8 GEMM instead of two, fewer
 FP8 casts, and forward keeps nothing for the gradient that is not needed. Per backend, op and
 recipe, counted per executed kernel (tests/gemm_count.py), eager (under torch.compile the
-partitioner drops an unused GEMM by itself). Primus-Turbo's own code:
-tests/real_turbo/test_compile_and_memory.py."""
+partitioner drops an unused GEMM by itself: seen on Primus-Turbo's path, whose compiled count was 2
+before the eager fix). Primus-Turbo's own code: tests/real_turbo/test_compile_and_memory.py."""
 
 import pytest
 import torch
