@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["count_gemms"]
+__all__ = ["count_gemms", "count_gemms_and_casts"]
 
 _FP8 = {torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2, torch.float8_e5m2fnuz}
 
@@ -43,3 +43,27 @@ def count_gemms(fn, ops, compiled: bool = False):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
         result = fn()
     return result, sum(event.name in names for event in profile.events())
+
+
+class _GemmsAndCasts(_Executions):
+    """Also counts the FP8 casts: ops that make an FP8 tensor from tensors none of which is FP8
+    (views, transposes and copies of FP8 tensors are not casts)."""
+
+    def __init__(self, ops):
+        super().__init__(ops)
+        self.casts = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        inputs = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        made = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if any(t.dtype in _FP8 for t in made) and not any(t.dtype in _FP8 or _fp8_operand(t) for t in inputs):
+            self.casts += 1
+        return out
+
+
+def count_gemms_and_casts(fn, ops):
+    """(``fn()``, how many of ``ops`` it ran, how many FP8 casts it ran), eager."""
+    with _GemmsAndCasts(ops) as mode:
+        result = fn()
+    return result, mode.calls, mode.casts

@@ -69,6 +69,11 @@ def test_torchao_grouped_mm_takes_every_layout_and_copies_only_where_torchao_nee
     else:
         assert b_quantized.stride(-2) == 1 and torch.equal(b_quantized, B_t)
     assert torch.equal(out[64:], torch.zeros(16, 48, dtype=torch.bfloat16))
+    # A row-major A reaches TorchAO as the caller's tensor (TorchAO saves it: one copy of the
+    # tokens per call site); the stand-in GEMM leaves NaN in the trailing rows of grad_A: masked.
+    a_quantized = received["triton_fp8_rowwise_2d_scale_and_cast"][0]
+    assert (a_quantized.data_ptr() == leaves[0].data_ptr()) == (a_layout == "row-major")
+    assert torch.equal(leaves[0].grad[64:], torch.zeros(16, 64, dtype=torch.bfloat16))
     assert [t.dtype for t in got] == [torch.bfloat16] * 3 and [t.shape for t in got[1:]] == [A.shape, (4, 64, 48)]
     emulated = [A.clone().requires_grad_(), W.clone().transpose(-2, -1).requires_grad_()]
     ref = tp.fp8_grouped_mm(*emulated, offs, recipe=decision.recipe, backend="emulated", device="sm90")
@@ -105,3 +110,32 @@ def test_torchao_on_real_fp8_gpu_matches_emulation(torchao_hardware):
         g,
     )
     assert min(sqnrs(emulated, got)) >= 40
+
+
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+def test_torchao_mx_linear_keeps_no_weight_copy_and_pads_only_where_needed(x_dtype):
+    """TorchAO's MX linear (its emulated mode on a CPU) takes one dtype for x and the weight and
+    keeps both for backward: fp32 activations come in the weight's dtype (no fp32 copy of a bf16
+    weight kept), and whole 32-row blocks are not padded (the input itself is kept)."""
+    from titan_primus.memory import kept_for_backward, recording_saved_tensors
+
+    decision = tp.select_backend("linear", "mxfp8", "cpu", "torchao")
+    x = torch.randn(64, 128, dtype=x_dtype, requires_grad=True)
+    w = torch.nn.Parameter(torch.randn(96, 128, dtype=torch.bfloat16) * 0.05)
+    with recording_saved_tensors() as saved:
+        out = decision.backend.linear(x, w, None, decision.recipe)
+    kept = kept_for_backward(saved, [w.shape], [w], rows=64, widths=(128, 96))
+    assert kept["weight_copy"] == 0 and kept["parameter"] == w.numel() * 2, kept
+    by_reference = any(t.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() for t in saved)
+    assert by_reference == (x_dtype == torch.bfloat16)
+    out.float().sum().backward()
+    assert x.grad.dtype == x_dtype and w.grad.dtype == torch.bfloat16
+
+
+def test_torchao_moe_block_keeps_the_routed_tokens_once():
+    """w1 and w3 of a MoE block multiply the same routed tokens: TorchAO keeps them once (the
+    caller's tensor), as stock TorchTitan does, and no weight copy."""
+    from torchao_moe_block_memory import moe_block_kept
+
+    result = moe_block_kept(tokens=96, dim=64, hidden=48, experts=2)
+    assert result["token_copies"] == 1 and result["kept"]["weight_copy"] == 0, result

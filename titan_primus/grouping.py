@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["group_lens", "group_ids", "group_bounds", "zero_trailing_rows"]
+__all__ = ["group_lens", "group_ids", "group_bounds", "mask_trailing_rows_of_grad", "zero_trailing_rows"]
 
 
 def group_lens(offs: torch.Tensor) -> torch.Tensor:
@@ -38,3 +38,22 @@ def zero_trailing_rows(t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     rows = torch.arange(t.shape[0], device=t.device)
     valid = (rows < offs[-1]).unsqueeze(-1)
     return torch.where(valid, t, torch.zeros((), dtype=t.dtype, device=t.device))
+
+
+class _MaskTrailingRowsOfGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, offs):
+        ctx.save_for_backward(offs)
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (offs,) = ctx.saved_tensors
+        return zero_trailing_rows(grad, offs), None
+
+
+def mask_trailing_rows_of_grad(t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``t`` itself (a view, no copy) whose gradient has rows at or past ``offs[-1]`` set to zero:
+    for a kernel that leaves those rows of its input gradient undefined but reads nothing of
+    them in the input."""
+    return _MaskTrailingRowsOfGrad.apply(t, offs)

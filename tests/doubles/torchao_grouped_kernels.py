@@ -7,7 +7,12 @@ transposes between the kernels) and only the kernels are replaced: each stand-in
 TorchAO 0.18 kernel does (fp32 scales ``fp8_max / max(amax, 1e-12)`` taken in float64, floored to
 a power of 2; scale, clamp, cast), returns the layouts it returns, and the GEMM checks the
 layouts the CUDA kernel requires (A row-major, B column-major). Rows past the last group are left
-NaN, as undefined as the kernel leaves them. Evidence about TorchAO's Python, not its kernels."""
+NaN, as undefined as the kernel leaves them. Evidence about TorchAO's Python, not its kernels.
+
+What the memory audit measures on it is therefore what TorchAO 0.18 itself keeps: its
+``_Float8GroupedMM.forward`` saves ``padded_A`` (A as handed over, ``pad_token_groups_for_grouped_mm``
+being False), ``B_t`` and the offsets (``torchao/prototype/moe_training/fp8_grouped_mm.py``, lines
+155-157), none of the stand-ins' outputs."""
 
 from __future__ import annotations
 
@@ -101,26 +106,113 @@ def scaled_grouped_mm(
     )
 
 
+# Each stand-in as a custom op with a fake implementation (the shapes and layouts the kernel
+# returns), as TorchAO's Triton kernels are custom ops: TorchAO's Python then traces into
+# torch.compile(fullgraph=True) graphs, and the stand-ins run (and record) when the graph runs.
+_RECEIVED: dict[str, list[torch.Tensor]] = {name: [] for name in _QUANTIZERS}
+
+
+def _fp8_like(t, dtype, column_major=False):
+    out = torch.empty(t.shape, dtype=dtype, device=t.device)
+    return _column_major(out) if column_major else out
+
+
+def _custom_op(name, stand_in, fake):
+    op = torch.library.custom_op(f"titan_primus_test::torchao_{name}", mutates_args=())(stand_in)
+    op.register_fake(fake)
+    return op
+
+
+def _recorded(name, stand_in):
+    def op(
+        hp: torch.Tensor, output_dtype: torch.dtype, round_scales_to_power_of_2: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        _RECEIVED[name].append(hp)
+        return stand_in(hp, output_dtype, round_scales_to_power_of_2)
+
+    op.__name__ = name
+    return op
+
+
+def _recorded_dual(
+    hp_1: torch.Tensor, hp_2: torch.Tensor, offsets: torch.Tensor, output_dtype: torch.dtype, pow2: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    _RECEIVED["triton_fp8_per_group_colwise_scales_dual"].append(hp_1)
+    return per_group_colwise_scales_dual(hp_1, hp_2, offsets, output_dtype, pow2)
+
+
+def _stand_in_gemm(
+    mat_a: torch.Tensor,
+    mat_b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    offs: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    return scaled_grouped_mm(mat_a, mat_b, scale_a, scale_b, offs, out_dtype=out_dtype)
+
+
+_OPS = {
+    "triton_fp8_rowwise_2d_scale_and_cast": _custom_op(
+        "rowwise_2d",
+        _recorded("triton_fp8_rowwise_2d_scale_and_cast", rowwise_2d_scale_and_cast),
+        lambda hp, d, p: (_fp8_like(hp, d), hp.new_empty((*hp.shape[:-1], 1), dtype=torch.float32)),
+    ),
+    "triton_fp8_colwise_3d_scale_and_cast": _custom_op(
+        "colwise_3d",
+        _recorded("triton_fp8_colwise_3d_scale_and_cast", colwise_3d_scale_and_cast),
+        lambda hp, d, p: (_fp8_like(hp, d, True), hp.new_empty((hp.shape[0], 1, hp.shape[2]), dtype=torch.float32)),
+    ),
+    "triton_fp8_rowwise_3d_transpose_rhs": _custom_op(
+        "rowwise_3d_transpose_rhs",
+        _recorded("triton_fp8_rowwise_3d_transpose_rhs", rowwise_3d_transpose_rhs),
+        lambda hp, d, p: (_fp8_like(hp, d).transpose(-2, -1), hp.new_empty(hp.shape[:2], dtype=torch.float32)),
+    ),
+    "triton_fp8_per_group_colwise_scales_dual": _custom_op(
+        "per_group_colwise_scales_dual",
+        _recorded_dual,
+        lambda a, b, offs, d, p: (
+            _fp8_like(a, d, True),
+            a.new_empty(a.shape[1] * offs.shape[0], dtype=torch.float32),
+            _fp8_like(b, d, True),
+            b.new_empty(b.shape[1] * offs.shape[0], dtype=torch.float32),
+        ),
+    ),
+}
+_GEMM = _custom_op(
+    "scaled_grouped_mm",
+    _stand_in_gemm,
+    lambda a, b, sa, sb, offs, out_dtype: (
+        a.new_empty((a.shape[0], b.shape[-1]), dtype=out_dtype)
+        if b.dim() == 3
+        else a.new_empty((offs.shape[0], a.shape[0], b.shape[1]), dtype=out_dtype)
+    ),
+)
+
+
 def install(monkeypatch) -> dict[str, list[torch.Tensor]]:
     """Swap the kernels TorchAO's FP8 grouped GEMM calls (the names its module imported, and
-    ``torch._scaled_grouped_mm``) for the stand-ins above. Returns, per quantizer name, the
-    high-precision tensors it was given (what reached TorchAO's kernel boundary)."""
+    ``torch._scaled_grouped_mm``) for the stand-ins above, eager and compiled. Returns, per
+    quantizer name, the high-precision tensors it was given (what reached TorchAO's kernel
+    boundary), from now on."""
     import torchao.prototype.moe_training.fp8_grouped_mm as fp8_grouped_mm
 
-    received = {name: [] for name in _QUANTIZERS}
-    stand_ins = (
-        rowwise_2d_scale_and_cast,
-        colwise_3d_scale_and_cast,
-        rowwise_3d_transpose_rhs,
-        per_group_colwise_scales_dual,
-    )
-    for name, stand_in in zip(_QUANTIZERS, stand_ins):
+    for name, op in _OPS.items():
         assert hasattr(fp8_grouped_mm, name), f"TorchAO's fp8_grouped_mm no longer calls {name}"
+        _RECEIVED[name].clear()
+        if name == "triton_fp8_per_group_colwise_scales_dual":
+            call = lambda a, b, offs, output_dtype, round_scales_to_power_of_2=False, op=op: op(  # noqa: E731
+                a, b, offs, output_dtype, round_scales_to_power_of_2
+            )
+        else:
+            call = lambda hp, output_dtype, round_scales_to_power_of_2=False, op=op: op(  # noqa: E731
+                hp, output_dtype, round_scales_to_power_of_2
+            )
+        monkeypatch.setattr(fp8_grouped_mm, name, call)
 
-        def recording(hp, *args, stand_in=stand_in, name=name, **kwargs):
-            received[name].append(hp)
-            return stand_in(hp, *args, **kwargs)
+    def gemm(mat_a, mat_b, scale_a, scale_b, offs=None, bias=None, scale_result=None, out_dtype=None, **_):
+        assert bias is None and scale_result is None
+        return _GEMM(mat_a, mat_b, scale_a, scale_b, offs, out_dtype)
 
-        monkeypatch.setattr(fp8_grouped_mm, name, recording)
-    monkeypatch.setattr(torch, "_scaled_grouped_mm", scaled_grouped_mm)
-    return received
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", gemm)
+    return _RECEIVED

@@ -65,12 +65,14 @@ def test_selective_ac_runs_three_fp8_gemms_per_op(model, compiled):
     assert forward > 0 and plain == 3 * forward and fp8 == plain, (forward, plain, fp8)
 
 
-@pytest.mark.parametrize("case", list(test_memory.cases(backends=(("primus_turbo", ARCH),))), ids=test_memory._case_id)
-def test_no_weight_copy_outlives_the_forward(case):
+@pytest.mark.parametrize(
+    "case", list(test_memory.cases(backends=(("primus_turbo", ARCH, ARCH),))), ids=test_memory._case_id
+)
+def test_no_weight_copy_outlives_the_forward(case, monkeypatch):
     recipe = case[3]
     if recipe in NOT_RUN_HERE:
         pytest.skip(NOT_RUN_HERE[recipe])
-    test_memory.test_no_weight_copy_outlives_the_forward(case)
+    test_memory.audit_case(case, monkeypatch)
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])

@@ -13,6 +13,7 @@ from real_turbo.test_same_as_turbo import CudaLooking, _config, _grads
 from titan_primus.backends.primus_turbo.autograd import group_offsets
 from titan_primus.grouping import group_lens
 
+FP8 = {torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2, torch.float8_e5m2fnuz}
 GEMMS = ("gemm_fp8_impl", "grouped_gemm_fp8_impl", "grouped_gemm_fp8_variable_k_impl")
 
 
@@ -49,8 +50,14 @@ DISPATCHERS = {  # module -> the dispatcher classes its GEMM custom ops run thro
 
 
 def _gemm_launches(fn, *inputs, monkeypatch):
-    """``_grads(fn, *inputs)`` and the FP8 GEMMs it launched: the calls into the kernel
-    dispatchers behind Primus-Turbo's ``primus_turbo::*_impl`` custom ops, eager or compiled."""
+    """``_grads(fn, *inputs)`` and the FP8 GEMMs it launched, eager or compiled."""
+    launches = _counting_gemm_launches(monkeypatch)
+    return _grads(fn, *inputs), launches
+
+
+def _counting_gemm_launches(monkeypatch) -> list:
+    """The list each FP8 GEMM launched from now on is appended to: the calls into the kernel
+    dispatchers behind Primus-Turbo's ``primus_turbo::*_impl`` custom ops."""
     launches = []
     for module, classes in DISPATCHERS.items():
         for name in classes:
@@ -62,7 +69,7 @@ def _gemm_launches(fn, *inputs, monkeypatch):
                 return _real(cls, *args, **kwargs)
 
             monkeypatch.setattr(dispatcher, "dispatch", classmethod(counted))
-    return _grads(fn, *inputs), launches
+    return launches
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -140,3 +147,115 @@ def test_no_weight_copy_is_kept_for_backward(op, recipe, compiled):
         with SavedTensors() as theirs:
             _turbo_own(op, recipe)(x, w)
         assert theirs.copies_of(w) >= w.numel()  # what the adapter no longer keeps
+
+
+class QuantizerCalls:
+    """Every call of Primus-Turbo's quantizers (``kernels/quantization/quantization_impl.py``)
+    in eager mode, as (phase, shape of the tensor cast): phase "forward" until ``backward()``."""
+
+    def __init__(self, monkeypatch):
+        self.calls, self.phase = [], "forward"
+        quant = sys.modules[tp.backends.primus_turbo.release.QUANT_MODULE]
+        for name in dir(quant):
+            real = getattr(quant, name)
+            if name.endswith("_impl") and "quant" in name and callable(real):
+
+                def counted(t, *args, _real=real, **kwargs):
+                    self.calls.append((self.phase, tuple(t.shape)))
+                    return _real(t, *args, **kwargs)
+
+                monkeypatch.setattr(quant, name, counted)
+
+    def shapes(self, phase):
+        return [shape for p, shape in self.calls if p == phase]
+
+
+def _step(op, recipe, frozen, compiled=False):
+    """One forward and backward with ``frozen`` ("weight", "input" or None) not requiring grad:
+    the GEMMs launched, the quantizer calls, the tensors saved for backward, the leaves."""
+    fn = _linear(recipe) if op == "linear" else _grouped(recipe)
+    if compiled:
+        torch._dynamo.reset()
+        fn = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    x, w = (t.clone().requires_grad_(frozen != name) for t, name in zip(_inputs(op), ("input", "weight")))
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        launches = _counting_gemm_launches(monkeypatch)
+        casts = None if compiled else QuantizerCalls(monkeypatch)  # eager: Python side effects
+        with SavedTensors() as saved:
+            out = fn(x, w)
+        if casts:
+            casts.phase = "backward"
+        out.backward(torch.randn_like(out))
+    return launches, casts, saved, x, w
+
+
+@pytest.mark.parametrize("frozen", ["weight", "input"])
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("op", ["linear", "grouped_mm"])
+def test_a_frozen_operand_costs_no_gemm_no_cast_and_keeps_nothing(op, recipe, frozen):
+    """LoRA base weights, frozen layers, an input that needs no gradient: backward runs one FP8
+    GEMM (the gradient that is needed), casts nothing only the other gradient reads, and
+    forward keeps nothing for it. Primus-Turbo's own Functions run both GEMMs and every cast."""
+    launches, casts, saved, x, w = _step(op, recipe, frozen)
+    full_launches, full_casts, *_ = _step(op, recipe, None)
+    assert len(full_launches) == 3 and len(launches) == 2, launches
+    assert (x.grad is None) == (frozen == "input") and (w.grad is None) == (frozen == "weight")
+    w_shape = tuple(w.shape)
+
+    def of_input(shapes):  # [rows, K] (the linear's rows padded to the kernels' minimum)
+        return sum(s[-1] == x.shape[-1] and s != w_shape for s in shapes)
+
+    if frozen == "weight":
+        # No cast of the activation for the wgrad (rowwise: dequantize and re-quantize in
+        # forward), no FP8 activation kept (blockwise: one kernel casts it both ways).
+        dropped = 2 if recipe == "rowwise" else 0
+        assert of_input(casts.shapes("forward")) == of_input(full_casts.shapes("forward")) - dropped
+        assert not [t for t in saved.saved if t.dtype in FP8], [(t.shape, t.dtype) for t in saved.saved]
+    else:
+        # No weight cast in backward, no weight kept.
+        assert w_shape not in casts.shapes("backward") and w_shape in full_casts.shapes("backward")
+        assert len(casts.calls) < len(full_casts.calls), (casts.calls, full_casts.calls)
+        storage = w.untyped_storage().data_ptr()
+        assert all(t.untyped_storage().data_ptr() != storage for t in saved.saved)
+
+
+@pytest.mark.parametrize("frozen", ["weight", "input"])
+@pytest.mark.parametrize("op", ["linear", "grouped_mm"])
+def test_a_frozen_operand_costs_no_gemm_compiled(op, frozen):
+    launches, *_ = _step(op, "rowwise", frozen, compiled=True)
+    assert len(launches) == 2, launches
+
+
+WEIGHT_FOR_BACKWARD = torch.ops.titan_primus.primus_turbo_weight_for_backward.default
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_weight_for_backward_is_a_well_formed_custom_op(recipe):
+    """torch.library.opcheck (schema: no output aliases an input; fake implementation; autograd
+    registration; AOT dispatch) on the op that makes the weight's backward operands, from a bf16
+    weight and (rowwise) from an FP8 payload FSDP2 gathered."""
+    api = tp.backends.primus_turbo.release.require_api()
+    fwd, bwd = api.formats(recipe)
+    weight, grad = torch.randn(512, 256, dtype=torch.bfloat16), torch.randn(64, 512, dtype=torch.bfloat16)
+    torch.library.opcheck(WEIGHT_FOR_BACKWARD, (weight, None, grad, recipe, fwd, torch.bfloat16, -1, -2))
+    if recipe == "rowwise":
+        # opcheck's schema check cannot compare FP8 inputs (torch 2.14: "mul_cpu_reduced_float" not
+        # implemented for FP8): the aliasing it checks is checked here, the rest by opcheck.
+        q, scale_inv = api.quant.quantize_fp8_rowwise_impl(weight, fwd, 1)
+        args = (q, scale_inv, grad, recipe, fwd, torch.bfloat16, -1, -2)
+        inputs = {t.untyped_storage().data_ptr() for t in (q, scale_inv, grad)}
+        assert not inputs & {t.untyped_storage().data_ptr() for t in WEIGHT_FOR_BACKWARD(*args)}
+        utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+        torch.library.opcheck(WEIGHT_FOR_BACKWARD, args, test_utils=utils)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+def test_weight_for_backward_refuses_to_return_a_gathered_payload(recipe):
+    """Where backward reads the gathered payload as it is, the op would hand back its inputs."""
+    api = tp.backends.primus_turbo.release.require_api()
+    fwd, _ = api.formats(recipe)
+    q = torch.randn(512, 256).to(fwd)
+    with pytest.raises(ValueError, match="must not alias"):
+        WEIGHT_FOR_BACKWARD(
+            q, torch.ones(()), torch.randn(64, 512, dtype=torch.bfloat16), recipe, fwd, torch.bfloat16, -1, -2
+        )

@@ -16,10 +16,19 @@ import torch
 from ..device import DeviceProfile
 from ..recipes import Fp8Recipe
 
-__all__ = ["Op", "OPS", "Verdict", "Fp8Backend", "TensorParallelShards"]
+__all__ = ["Op", "OPS", "Verdict", "Fp8Backend", "TensorParallelShards", "kept_for_gradients"]
 
 Op = Literal["linear", "grouped_mm"]
 OPS: tuple[Op, ...] = ("linear", "grouped_mm")
+
+
+def kept_for_gradients(ctx, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """What an FP8 GEMM's autograd Function (inputs ``a``, ``b`` first) keeps of its two operands:
+    each one only where the other's gradient is needed (the GEMM of one operand's gradient
+    contracts the other with the output's gradient). A frozen weight keeps no activation.
+    Records both operands' dtypes on ``ctx`` (``a_dtype``, ``b_dtype``) for the gradients' casts."""
+    ctx.a_dtype, ctx.b_dtype = a.dtype, b.dtype
+    return (a if ctx.needs_input_grad[1] else None), (b if ctx.needs_input_grad[0] else None)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from ..fsdp_fp8.gathered import Fp8GatheredWeight
 from ..grouping import group_ids, zero_trailing_rows
 from ..recipes import RECIPE_NAMES, Fp8Recipe, GemmCasts, has_definition, make_recipe
 from ..scaling import fake_quantize, quantize, quantize_per_group, unscale
-from .base import Fp8Backend, Op, TensorParallelShards, Verdict
+from .base import Fp8Backend, Op, TensorParallelShards, Verdict, kept_for_gradients
 from .emulated_blocked import blocked_grouped_mm, blocked_linear
 from .emulated_gemm import GEMM_OPS, emulated_fp8_grouped_mm, emulated_fp8_mm
 
@@ -78,7 +78,7 @@ class _EmulatedLinear(torch.autograd.Function):
 
     @staticmethod
     def _forward(ctx, x, weight, bias, recipe: Fp8Recipe, shards):
-        ctx.save_for_backward(x, weight)
+        ctx.save_for_backward(*kept_for_gradients(ctx, x, weight))
         ctx.recipe = recipe
         ctx.has_bias = bias is not None
         # (sharded dim, group) of x, weight and grad_output; () without tensor parallelism.
@@ -104,22 +104,22 @@ class _EmulatedLinear(torch.autograd.Function):
     def _backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
         recipe, xs, ws, gs = ctx.recipe, ctx.x_shard, ctx.w_shard, ctx.g_shard
-        x = _backward_source(x, recipe.output.a, recipe, 1, *xs)
-        weight = _backward_source(weight, recipe.output.b, recipe, 1, *ws)
         grad_x = grad_w = grad_b = None
         # The gradient of the GEMM's output as the kernels wrote it (16-bit for Primus-Turbo);
         # the bias, added after the GEMM, takes grad_out itself.
         grad_gemm = grad_out.to(recipe.gemm_out_dtype(grad_out.dtype))
         if ctx.needs_input_grad[0]:
             c = recipe.grad_input  # [M, N] @ [N, K]: contract over N
+            weight = _backward_source(weight, recipe.output.b, recipe, 1, *ws)
             grad_x = emulated_fp8_mm(fake_quantize(grad_gemm, c.a, recipe, 1, *gs), _cast(weight, c.b, recipe, 0, *ws))
-            grad_x = _gemm_result(grad_x, c, recipe, x.dtype)
+            grad_x = _gemm_result(grad_x, c, recipe, ctx.a_dtype)
         if ctx.needs_input_grad[1]:
             c = recipe.grad_weight  # [N, M] @ [M, K]: contract over M
+            x = _backward_source(x, recipe.output.a, recipe, 1, *xs)
             grad_w = emulated_fp8_mm(
                 fake_quantize(grad_gemm, c.a, recipe, 0, *gs).t(), fake_quantize(x, c.b, recipe, 0, *xs)
             )
-            grad_w = _gemm_result(grad_w, c, recipe, x.dtype).to(weight.dtype)
+            grad_w = _gemm_result(grad_w, c, recipe, ctx.a_dtype).to(ctx.b_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad_out.to(torch.float32).sum(0).to(grad_out.dtype)
         return grad_x, grad_w, grad_b, None, None
@@ -187,7 +187,7 @@ class _EmulatedGroupedMM(torch.autograd.Function):
         a, a_scale = _operand(A, casts.a, recipe, contract_dim=1)  # rowwise: per row over K
         b, b_scale = _operand(B_t, casts.b, recipe, contract_dim=1)  # rowwise: per (expert, n) over K
         out = _unscaled(_grouped_mm(a, b, offs), a_scale, _per_row(b_scale, ids), recipe)
-        ctx.save_for_backward(A, B_t, offs, ids)
+        ctx.save_for_backward(*kept_for_gradients(ctx, A, B_t), offs, ids)
         ctx.recipe = recipe
         return zero_trailing_rows(out, offs).to(torch.bfloat16)
 
@@ -196,17 +196,17 @@ class _EmulatedGroupedMM(torch.autograd.Function):
         A, B_t, offs, ids = ctx.saved_tensors
         recipe = ctx.recipe
         grad_out = zero_trailing_rows(grad_out, offs)
-        A_src = _backward_source(A, recipe.output.a, recipe, 1)
-        B_src = _backward_source(B_t, recipe.output.b, recipe, 1)
         grad_A = grad_B = None
         if ctx.needs_input_grad[0]:
             c = recipe.grad_input  # [rows, N] @ [N, K] per group: contract over N
+            B_src = _backward_source(B_t, recipe.output.b, recipe, 1)
             g, g_scale = _operand(grad_out, c.a, recipe, contract_dim=1)
             b, b_scale = _operand(B_src, c.b, recipe, contract_dim=2)  # rowwise: per (expert, k) over N
             grad_A = _unscaled(_grouped_mm(g, b.transpose(-2, -1), offs), g_scale, _per_row(b_scale, ids), recipe)
-            grad_A = zero_trailing_rows(grad_A, offs).to(torch.bfloat16).to(A.dtype)
+            grad_A = zero_trailing_rows(grad_A, offs).to(torch.bfloat16).to(ctx.a_dtype)
         if ctx.needs_input_grad[1]:
             c = recipe.grad_weight  # [K, rows] @ [rows, N] per group: contract over the group's rows
+            A_src = _backward_source(A, recipe.output.a, recipe, 1)
             if c.a.granularity == "rowwise" and recipe.grouped_wgrad_per_group:
                 g, g_scale = quantize_per_group(grad_out, recipe.dtype(c.a), ids, len(offs), recipe.pow2_scales)
                 a, a_scale = quantize_per_group(A_src, recipe.dtype(c.b), ids, len(offs), recipe.pow2_scales)
@@ -216,7 +216,8 @@ class _EmulatedGroupedMM(torch.autograd.Function):
                 g, g_scale = _operand(grad_out, c.a, recipe, contract_dim=0)
                 a, a_scale = _operand(A_src, c.b, recipe, contract_dim=0)
                 a_scale = a_scale.t() if a_scale.dim() else a_scale  # [1, K] -> [K, 1]
-            grad_B = _unscaled(_grouped_mm(a.t(), g, offs), a_scale, g_scale, recipe).to(torch.bfloat16).to(B_t.dtype)
+            grad_B = _unscaled(_grouped_mm(a.t(), g, offs), a_scale, g_scale, recipe).to(torch.bfloat16)
+            grad_B = grad_B.to(ctx.b_dtype)
         return grad_A, grad_B, None, None
 
 

@@ -17,6 +17,7 @@ import torch
 from ..block_scaling import cells_of, dequantize, quantize_blocks
 from ..grouping import zero_trailing_rows
 from ..recipes import Fp8Recipe, OperandCast
+from .base import kept_for_gradients
 from .emulated_gemm import emulated_fp8_grouped_mm, emulated_fp8_mm
 
 __all__ = ["blocked_linear", "blocked_grouped_mm"]
@@ -55,7 +56,7 @@ class _BlockedLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, recipe: Fp8Recipe):
         out_dtype = _out_dtype(x)
         with _no_autocast(x):
-            ctx.save_for_backward(x, weight)
+            ctx.save_for_backward(*kept_for_gradients(ctx, x, weight))
             ctx.recipe, ctx.has_bias = recipe, bias is not None
             c = recipe.output  # [M, K] @ [N, K]^T
             out = emulated_fp8_mm(_cast(x, c.a, recipe), _cast(weight, c.b, recipe).t())
@@ -75,11 +76,11 @@ class _BlockedLinear(torch.autograd.Function):
             if ctx.needs_input_grad[0]:
                 c = recipe.grad_input  # [M, N] @ [K, N]^T: contract over N
                 grad_x = emulated_fp8_mm(_cast(grad_gemm, c.a, recipe), _cast(weight.t(), c.b, recipe).t())
-                grad_x = grad_x.to(gemm_dtype).to(x.dtype)
+                grad_x = grad_x.to(gemm_dtype).to(ctx.a_dtype)
             if ctx.needs_input_grad[1]:
                 c = recipe.grad_weight  # [N, M] @ [K, M]^T: contract over M
                 grad_w = emulated_fp8_mm(_cast(grad_gemm.t(), c.a, recipe), _cast(x.t(), c.b, recipe).t())
-                grad_w = grad_w.to(gemm_dtype).to(weight.dtype)
+                grad_w = grad_w.to(gemm_dtype).to(ctx.b_dtype)
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 grad_b = grad_out.to(torch.float32).sum(0).to(grad_out.dtype)
         return grad_x, grad_w, grad_b, None
@@ -102,7 +103,7 @@ class _BlockedGroupedMM(torch.autograd.Function):
             A = zero_trailing_rows(A, offs)
             c = recipe.output  # per expert: [rows, K] @ [N, K]^T
             out = _per_expert(_cast(A, c.a, recipe), _cast(B_t.transpose(-2, -1), c.b, recipe), offs)
-            ctx.save_for_backward(A, B_t, offs)
+            ctx.save_for_backward(*kept_for_gradients(ctx, A, B_t), offs)
             ctx.recipe = recipe
             return out.to(torch.bfloat16)
 
@@ -115,12 +116,12 @@ class _BlockedGroupedMM(torch.autograd.Function):
             grad_out = zero_trailing_rows(grad_out, offs)
             if ctx.needs_input_grad[0]:
                 c = recipe.grad_input  # per expert: [rows, N] @ [K, N]^T
-                grad_A = _per_expert(_cast(grad_out, c.a, recipe), _cast(B_t, c.b, recipe), offs).to(A.dtype)
+                grad_A = _per_expert(_cast(grad_out, c.a, recipe), _cast(B_t, c.b, recipe), offs).to(ctx.a_dtype)
             if ctx.needs_input_grad[1]:
                 c = recipe.grad_weight  # per expert: [N, rows] @ [K, rows]^T, token blocks per group
                 g = _cast(grad_out.t(), c.a, recipe, segments=offs)
                 a = _cast(A.t(), c.b, recipe, segments=offs)
-                grad_B = _per_group_outer(g, a, offs).transpose(-2, -1).to(B_t.dtype)
+                grad_B = _per_group_outer(g, a, offs).transpose(-2, -1).to(ctx.b_dtype)
         return grad_A, grad_B, None, None
 
 

@@ -18,7 +18,7 @@ from functools import cached_property
 import torch
 
 from ..device import DeviceProfile
-from ..grouping import zero_trailing_rows
+from ..grouping import mask_trailing_rows_of_grad, zero_trailing_rows
 from ..recipes import RECIPE_NAMES, Fp8Recipe, make_recipe
 from .base import Fp8Backend, Op, Verdict
 
@@ -59,7 +59,10 @@ class _OneDNNSwitch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, enabled_in_backward: bool | None, *tensors):
         ctx.enabled_in_backward = enabled_in_backward
-        return tuple(t.view_as(t) for t in tensors)
+        out = tuple(t.view_as(t) for t in tensors)
+        # A tensor that needs no gradient (a frozen weight) must come out needing none too.
+        ctx.mark_non_differentiable(*(o for o, t in zip(out, tensors) if not t.requires_grad))
+        return out
 
     @staticmethod
     def backward(ctx, *grads):
@@ -83,8 +86,10 @@ def _sm(device: DeviceProfile) -> int:
 
 
 def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
-    """``t`` with zero rows appended up to a multiple of ``multiple`` (zeros change no block amax)."""
-    return torch.nn.functional.pad(t, (0, 0, 0, -t.shape[0] % multiple))
+    """``t`` with zero rows appended up to a multiple of ``multiple`` (zeros change no block amax);
+    ``t`` itself where it has whole multiples (``F.pad`` copies even when it adds nothing)."""
+    missing = -t.shape[0] % multiple
+    return torch.nn.functional.pad(t, (0, 0, 0, missing)) if missing else t
 
 
 class TorchAOBackend(Fp8Backend):
@@ -253,9 +258,10 @@ class TorchAOBackend(Fp8Backend):
         # Both upstream functions also block along the token dimension (wgrad) and assert whole
         # blocks there: pad the rows with zeros (no block amax changes) and drop them after.
         rows, out_dtype = x.shape[0], x.dtype
-        # Both upstream functions take one dtype for x and weight: quantize both from the wider.
-        common = torch.promote_types(x.dtype, weight.dtype)
-        x, weight = _pad_rows(x, _BLOCK[recipe.name]).to(common), weight.to(common)
+        # Both upstream functions take one dtype for x and weight, and keep both for backward:
+        # x comes in the weight's dtype (an activation-sized cast, as autocast makes it), never
+        # the weight in x's (a weight-sized copy kept from forward to backward).
+        x = _pad_rows(x, _BLOCK[recipe.name]).to(weight.dtype)
         if recipe.name == "blockwise":
             from torchao.prototype.blockwise_fp8_training.linear import fp8_blockwise_mm
 
@@ -290,11 +296,19 @@ class TorchAOBackend(Fp8Backend):
         # It takes float32 or bfloat16 operands only (asserted in fp8_grouped_mm.py); its output
         # is bfloat16 and its gradients bfloat16, cast to the operands' dtypes by autograd.
         A, B_t = (t.bfloat16() if t.dtype == torch.float16 else t for t in (A, B_t))
-        # Masking the input too drops whatever the kernel writes into trailing rows of grad_A.
-        # It also asserts a row-major A and a column-major B_t (stride(-2) == 1): TorchTitan's
-        # transposed view of its [E, N, K] expert weights is one and passes as it is; any other
-        # layout is copied into one (autograd hands the gradient back in the caller's layout).
-        A = zero_trailing_rows(A, offs).contiguous()
+        # A goes in as it is, so TorchAO keeps the caller's tokens (w1 and w3 of a MoE block share
+        # one saved copy, as in stock TorchTitan): rows past offs[-1] enter none of TorchAO 0.18's
+        # scales (fp8_grouped_mm.py: rowwise scales of A and grad_output are per row, B_t's over
+        # K, and the wgrad's per-group column scales, jagged_float8_scales.py:622-650, loop over
+        # each group's rows only), and no GEMM reads them. What the kernels leave in those rows of
+        # the output and of grad_A is masked instead (the output's mask also zeroes their
+        # incoming gradient).
+        # TorchAO asserts a row-major A and a column-major B_t (stride(-2) == 1, its asserts at
+        # fp8_grouped_mm.py:109, 112; its B_t quantizer reads that layout). TorchTitan's transposed
+        # view of its [E, N, K] expert weights is one and passes as it is; a row-major [E, K, N]
+        # B_t has no view TorchAO takes, so it is copied into one, on each call (autograd hands
+        # the gradient back in the caller's layout).
+        A = mask_trailing_rows_of_grad(A.contiguous(), offs)
         if B_t.stride(-2) != 1:
             B_t = B_t.transpose(-2, -1).contiguous().transpose(-2, -1)
         out = self._grouped_mm_fn(
@@ -318,7 +332,15 @@ def _linear_function():
     policy recomputes every second one; 0.2.x saves no ``_scaled_mm``). Here the forward makes
     the same casts with TorchAO's functions and calls TorchAO's ``mm`` implementation directly,
     which reaches ``torch._scaled_mm`` with the FP8 payloads: the same kernel and numerics, seen
-    as ``aten._scaled_mm``. The backward is TorchAO's own."""
+    as ``aten._scaled_mm``.
+
+    The backward makes TorchAO's own casts and GEMMs (``torchao/float8/float8_linear.py``,
+    0.18: lines 94-204), each only where its gradient is needed: TorchAO's runs both GEMMs and
+    all four casts whatever ``ctx.needs_input_grad`` says, and its forward keeps both operands
+    (line 45). Here a frozen weight (LoRA, frozen layers) costs no wgrad GEMM and no cast of the
+    input or of grad_output for it, and forward keeps no input; an input that needs no gradient
+    costs no dgrad GEMM and no weight cast, and forward keeps no weight."""
+    from torchao.float8.config import ScalingType
     from torchao.float8.distributed_utils import tensor_already_casted_to_fp8
     from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
     from torchao.float8.float8_ops import float8_mm
@@ -326,7 +348,8 @@ def _linear_function():
     from torchao.float8.float8_training_tensor import GemmInputRole
 
     def cast(t, cast_config, config, mm_config, role, axiswise_dim):
-        if tensor_already_casted_to_fp8(t):  # a weight FSDP2 all-gathered in FP8
+        # Already FP8 (a weight FSDP2 all-gathered in FP8), or a GEMM run in high precision.
+        if tensor_already_casted_to_fp8(t) or cast_config.scaling_type is ScalingType.DISABLED:
             return t
         granularity = cast_config.scaling_granularity
         return hp_tensor_to_float8_dynamic(
@@ -342,11 +365,29 @@ def _linear_function():
     class Float8Matmul(matmul_with_hp_or_float8_args):
         @staticmethod
         def forward(ctx, input_hp, weight_hp_t, linear_mm_config, config):
-            ctx.save_for_backward(input_hp, weight_hp_t)
+            need_input, need_weight = ctx.needs_input_grad[:2]
+            ctx.save_for_backward(input_hp if need_weight else None, weight_hp_t if need_input else None)
             ctx.linear_mm_config, ctx.config = linear_mm_config, config
             a = cast(input_hp, config.cast_config_input, config, linear_mm_config, GemmInputRole.INPUT, -1)
             b = cast(weight_hp_t, config.cast_config_weight, config, linear_mm_config, GemmInputRole.WEIGHT, 0)
             return float8_mm(torch.ops.aten.mm.default, (a, b))
+
+        @staticmethod
+        def backward(ctx, grad_output):
+            input_hp, weight_hp_t = ctx.saved_tensors
+            c, mm_config = ctx.config, ctx.linear_mm_config
+            grad = grad_output.reshape(-1, grad_output.shape[-1])
+            grad_input = grad_weight_t = None
+            if ctx.needs_input_grad[0]:
+                g = cast(grad, c.cast_config_grad_output, c, mm_config, GemmInputRole.GRAD_OUTPUT, -1)
+                w = cast(weight_hp_t, c.cast_config_weight_for_grad_input, c, mm_config, GemmInputRole.WEIGHT, -1)
+                grad_input = torch.mm(g, w.t()).reshape(*grad_output.shape[:-1], -1)
+            if ctx.needs_input_grad[1]:
+                x = input_hp.reshape(-1, input_hp.shape[-1])
+                g = cast(grad, c.cast_config_grad_output_for_grad_weight, c, mm_config, GemmInputRole.GRAD_OUTPUT, 0)
+                x = cast(x, c.cast_config_input_for_grad_weight, c, mm_config, GemmInputRole.INPUT, 0)
+                grad_weight_t = torch.mm(g.t(), x).t()
+            return grad_input, grad_weight_t, None, None
 
     return Float8Matmul
 

@@ -89,10 +89,17 @@ def _weight_for_backward(
     Under torch.compile the joint graph would otherwise keep an FP8 weight copy from forward to
     backward: a custom op of its own, so it is not merged with the forward's identical cast, and
     taking the incoming gradient (unused), so the partitioner cannot place it in the forward. Its
-    fake implementation is the same code, on Primus-Turbo's fake implementations."""
+    fake implementation is the same code, on Primus-Turbo's fake implementations. Its outputs are
+    always new tensors (a custom op must not alias its inputs): a gathered payload backward reads
+    as it is (tensorwise, blockwise) is not passed through it."""
     api = require_api()
     if scale_inv is None:
         q, scale_inv = _weight_forward(api, weight, fp8_dtype, recipe, axis)
+    elif recipe != "rowwise":
+        raise ValueError(
+            f"primus_turbo_weight_for_backward would return its inputs for a gathered {recipe} weight "
+            f"(a custom op must not alias them): use the gathered payload itself"
+        )
     else:
         q = weight
     if recipe != "rowwise":
@@ -109,7 +116,7 @@ def _weight_backward(
 ):
     if not isinstance(weight, Fp8GatheredWeight):
         return _weight_for_backward(weight, None, grad, recipe, fp8_dtype, weight.dtype, axis, new_axis)
-    if recipe == "tensorwise":  # the gathered payload itself, FSDP2's storage
+    if recipe != "rowwise":  # the gathered payload itself, FSDP2's storage
         return weight.fp8_data(), weight.scale_inv()
     return _weight_for_backward(
         weight.fp8_data(), weight.scale_inv(), grad, recipe, fp8_dtype, weight._source_dtype, axis, new_axis
@@ -123,56 +130,72 @@ def _nt_backward(api: TurboApi, trans_b: bool) -> bool:
 
 
 class TurboLinear(torch.autograd.Function):
-    """x [M, K] @ weight [N, K].T (``gemm_fp8(x, weight, trans_b=True)``) -> [M, N] in x.dtype."""
+    """x [M, K] @ weight [N, K].T (``gemm_fp8(x, weight, trans_b=True)``) -> [M, N] in x.dtype.
+
+    A gradient that is not needed (a frozen weight, an input that needs none) costs neither its
+    GEMM nor the casts only it reads, and forward keeps nothing for it: a frozen weight keeps
+    no FP8 copy of x, an x that needs no gradient keeps no weight."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, recipe: str):
         api = require_api()
         fwd, _ = api.formats(recipe)
         granularity, backend = _granularity(api, recipe), _backend(api, dense_backend(api, recipe))
+        need_x, need_w = ctx.needs_input_grad[:2]
         out_dtype = sixteen_bit(x.dtype)
         x = x.contiguous()
-        if recipe == "blockwise":
+        x_col = sx_col = None
+        if recipe == "blockwise":  # one kernel casts both ways; the column cast is kept only for wgrad
             xq, sx, x_col, sx_col = api.quant.quant_fp8_blockwise_dual_impl(x, fwd, block_size=BLOCKWISE_SIZE)
         else:
             xq, sx = _quantize(api, x, fwd, recipe, -1)
         wq, sw = _weight_forward(api, weight, fwd, recipe, -1)
         out = api.gemm(xq, sx, False, wq, sw, True, out_dtype, False, granularity, backend)
-        if recipe == "rowwise":
+        if not need_w:
+            x_col = sx_col = None
+        elif recipe == "rowwise":
             x_col, sx_col = _requantized(api, xq, sx, x.dtype, -1, -2)
         elif recipe == "tensorwise":
             x_col, sx_col = (xq.t().contiguous(), sx) if _nt_backward(api, True) else (xq, sx)
-        ctx.save_for_backward(x_col, sx_col, weight)
-        ctx.recipe, ctx.x_dtype = recipe, x.dtype
+        ctx.save_for_backward(x_col, sx_col, weight if need_x else None)
+        ctx.recipe, ctx.dtypes = recipe, (x.dtype, weight.dtype)
         return out.to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad):
         x_col, sx_col, weight = ctx.saved_tensors
         api, recipe = require_api(), ctx.recipe
+        need_x, need_w = ctx.needs_input_grad[:2]
         fwd, bwd = api.formats(recipe)
         granularity, backend = _granularity(api, recipe), _backend(api, dense_backend(api, recipe))
+        nt = recipe == "tensorwise" and _nt_backward(api, True)
         # The gradient of the kernel's 16-bit output (fp32 layers get a bf16 result upcast).
         out_dtype = sixteen_bit(grad.dtype)
         grad = grad.to(out_dtype).contiguous()
-        wq, sw = _weight_backward(weight, grad, fwd, recipe, -1, -2)
-        if recipe == "blockwise":
+        gq = sg = g_col = sg_col = grad_x = grad_w = None
+        if recipe == "blockwise":  # one kernel casts both ways
             gq, sg, g_col, sg_col = api.quant.quant_fp8_blockwise_dual_impl(grad, bwd, block_size=BLOCKWISE_SIZE)
-        else:
+        elif need_x or recipe == "tensorwise":  # tensorwise: one cast serves both GEMMs
             gq, sg = _quantize(api, grad, bwd, recipe, -1)
-        if recipe == "tensorwise" and _nt_backward(api, True):
-            grad_x = api.gemm(gq, sg, False, wq.t().contiguous(), sw, True, out_dtype, False, granularity, backend)
-            grad_w = api.gemm(
-                x_col, sx_col, False, gq.t().contiguous(), sg, True, out_dtype, True, granularity, backend
-            )
-        else:
-            grad_x = api.gemm(gq, sg, False, wq, sw, False, out_dtype, False, granularity, backend)
-            if recipe == "rowwise":
-                g_col, sg_col = _quantize(api, grad, bwd, recipe, -2)
-            elif recipe == "tensorwise":
-                g_col, sg_col = gq, sg
-            grad_w = api.gemm(x_col, sx_col, True, g_col, sg_col, False, out_dtype, True, granularity, backend)
-        return grad_x.to(ctx.x_dtype), grad_w.to(weight.dtype), None
+        if need_x:
+            wq, sw = _weight_backward(weight, grad, fwd, recipe, -1, -2)
+            if nt:
+                wq = wq.t().contiguous()
+            grad_x = api.gemm(gq, sg, False, wq, sw, nt, out_dtype, False, granularity, backend)
+            grad_x = grad_x.to(ctx.dtypes[0])
+        if need_w:
+            if nt:
+                grad_w = api.gemm(
+                    x_col, sx_col, False, gq.t().contiguous(), sg, True, out_dtype, True, granularity, backend
+                )
+            else:
+                if recipe == "rowwise":
+                    g_col, sg_col = _quantize(api, grad, bwd, recipe, -2)
+                elif recipe == "tensorwise":
+                    g_col, sg_col = gq, sg
+                grad_w = api.gemm(x_col, sx_col, True, g_col, sg_col, False, out_dtype, True, granularity, backend)
+            grad_w = grad_w.to(ctx.dtypes[1])
+        return grad_x, grad_w, None
 
 
 def _b_layout(B_t: torch.Tensor, nt_only: bool = False) -> tuple[torch.Tensor, bool]:
@@ -212,18 +235,22 @@ def _grouped_gemm(api: TurboApi, a, b, a_scales, b_scales, lens, goffs, trans_b:
 
 
 class TurboGroupedMM(torch.autograd.Function):
-    """A [R, K] x B_t [E, K, N] per group of rows (offs: int32 end offsets) -> [R, N] bf16."""
+    """A [R, K] x B_t [E, K, N] per group of rows (offs: int32 end offsets) -> [R, N] bf16.
+    A gradient that is not needed costs neither its GEMM nor the casts only it reads, and
+    forward keeps nothing for it (as :class:`TurboLinear`)."""
 
     @staticmethod
     def forward(ctx, A: torch.Tensor, B_t: torch.Tensor, offs: torch.Tensor, recipe: str):
         api = require_api()
         fwd, _ = api.formats(recipe)
         granularity, backend = _granularity(api, recipe), _backend(api, _GROUPED_BACKEND)
+        need_A, need_B = ctx.needs_input_grad[:2]
         b, trans_b = _b_layout(B_t)
         b_row, b_col = (-1, -2) if trans_b else (-2, -1)  # over K, over N
         lens, goffs = group_lens(offs), group_offsets(offs)
         A = A.contiguous()
-        if recipe == "blockwise":
+        a_col = sa_col = None
+        if recipe == "blockwise":  # one kernel casts both ways; the column cast is kept only for wgrad
             aq, a_col, sa, sa_col, _, _ = api.quant.quant_fp8_blockwise_segment_m_row_col_impl(
                 A, fwd, BLOCKWISE_SIZE, lens, goffs, gemm_other_dim=b.shape[b_col]
             )
@@ -231,54 +258,61 @@ class TurboGroupedMM(torch.autograd.Function):
             aq, sa = _quantize(api, A, fwd, recipe, -1)
         bq, sb = _weight_forward(api, b, fwd, recipe, b_row)
         out = _grouped_gemm(api, aq, bq, sa, sb, lens, goffs, trans_b, granularity, backend)
-        if recipe == "rowwise":
+        if not need_B:
+            a_col = sa_col = None
+        elif recipe == "rowwise":
             a_col, sa_col = _requantized(api, aq, sa, A.dtype, -1, -2)  # per k over all rows of all groups
         elif recipe == "tensorwise":
             a_col, sa_col = aq, sa
-        ctx.save_for_backward(a_col, sa_col, b, lens, goffs)
-        ctx.recipe, ctx.trans_b, ctx.dtypes = recipe, trans_b, (A.dtype, B_t.dtype)
+        ctx.save_for_backward(a_col, sa_col, b if need_A else None, lens, goffs)
+        ctx.recipe, ctx.trans_b, ctx.dtypes, ctx.b_shape = recipe, trans_b, (A.dtype, B_t.dtype), b.shape
         return out
 
     @staticmethod
     def backward(ctx, grad):
         a_col, sa_col, b, lens, goffs = ctx.saved_tensors
         api, recipe, trans_b = require_api(), ctx.recipe, ctx.trans_b
+        need_A, need_B = ctx.needs_input_grad[:2]
         fwd, bwd = api.formats(recipe)
         granularity, backend = _granularity(api, recipe), _backend(api, _GROUPED_BACKEND)
         b_row, b_col = (-1, -2) if trans_b else (-2, -1)
         grad = grad.contiguous()
-        bq, sb = _weight_backward(b, grad, fwd, recipe, b_row, b_col)
         vk_lens, vk_offs = lens, goffs
-        if recipe == "blockwise":
+        gq = sg = g_col = sg_col = grad_A = grad_B_t = None
+        if recipe == "blockwise":  # one kernel casts both ways
             gq, g_col, sg, sg_col, vk_lens, vk_offs = api.quant.quant_fp8_blockwise_segment_m_row_col_impl(
-                grad, bwd, BLOCKWISE_SIZE, lens, goffs, gemm_other_dim=b.shape[b_row]
+                grad, bwd, BLOCKWISE_SIZE, lens, goffs, gemm_other_dim=ctx.b_shape[b_row]
             )
-        else:
+        elif need_A or recipe == "tensorwise":  # tensorwise: one cast serves both GEMMs
             gq, sg = _quantize(api, grad, bwd, recipe, -1)
-        if recipe == "tensorwise" and _nt_backward(api, trans_b):
-            bq_nt, dgrad_trans_b = bq.transpose(-1, -2).contiguous(), True
-        else:
-            bq_nt, dgrad_trans_b = bq, not trans_b
-        grad_A = _grouped_gemm(api, gq, bq_nt, sg, sb, lens, goffs, dgrad_trans_b, granularity, backend)
-        if recipe == "rowwise":
-            g_col, sg_col = _quantize(api, grad, bwd, recipe, -2)
-        elif recipe == "tensorwise":
-            g_col, sg_col = gq, sg
-        grad_b = api.grouped_variable_k(
-            a_col,
-            g_col,
-            sa_col,
-            sg_col,
-            vk_lens,
-            vk_offs,
-            trans_a=True,
-            trans_b=False,
-            trans_c=trans_b,
-            out_dtype=torch.bfloat16,
-            granularity=granularity,
-            num_cu=None,
-            default_backend=backend,
-        )
-        grad_B_t = grad_b.transpose(-2, -1) if trans_b else grad_b
         A_dtype, B_dtype = ctx.dtypes
-        return grad_A.to(A_dtype), grad_B_t.to(B_dtype), None, None
+        if need_A:
+            bq, sb = _weight_backward(b, grad, fwd, recipe, b_row, b_col)
+            if recipe == "tensorwise" and _nt_backward(api, trans_b):
+                bq_nt, dgrad_trans_b = bq.transpose(-1, -2).contiguous(), True
+            else:
+                bq_nt, dgrad_trans_b = bq, not trans_b
+            grad_A = _grouped_gemm(api, gq, bq_nt, sg, sb, lens, goffs, dgrad_trans_b, granularity, backend)
+            grad_A = grad_A.to(A_dtype)
+        if need_B:
+            if recipe == "rowwise":
+                g_col, sg_col = _quantize(api, grad, bwd, recipe, -2)
+            elif recipe == "tensorwise":
+                g_col, sg_col = gq, sg
+            grad_b = api.grouped_variable_k(
+                a_col,
+                g_col,
+                sa_col,
+                sg_col,
+                vk_lens,
+                vk_offs,
+                trans_a=True,
+                trans_b=False,
+                trans_c=trans_b,
+                out_dtype=torch.bfloat16,
+                granularity=granularity,
+                num_cu=None,
+                default_backend=backend,
+            )
+            grad_B_t = (grad_b.transpose(-2, -1) if trans_b else grad_b).to(B_dtype)
+        return grad_A, grad_B_t, None, None
