@@ -7,7 +7,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from titan_helpers import ROOT, run_trainer
+from titan_helpers import MODEL_REGISTRIES, ROOT, run_trainer
 
 import titan_primus as tp
 from titan_primus.conversion import check_parallelism
@@ -216,8 +216,10 @@ def test_expert_parallel_matches_the_same_ranks_without_it(tmp_path):
         assert abs(ep[step] - dp[step]) <= 0.001 * dp[step], (step, ep[step], dp[step])
 
 
-def ep_trainer_runs(tmp_path, converter: str, options: dict, *, steps: int, env=None, **kwargs):
-    """deepseek_v3 on 2 gloo ranks with the converter override ``converter`` (options as JSON):
+def ep_trainer_runs(
+    tmp_path, converter: str, options: dict, *, steps: int, config="deepseek_v3_debugmodel", env=None, **kwargs
+):
+    """``config`` (an MoE model's, default deepseek_v3 debug) on 2 gloo ranks with the converter override ``converter`` (options as JSON):
     experts split across the ranks (EP 2), and replicated (FSDP 2 only). Returns both runs'
     losses and the EP run's log."""
     import json
@@ -228,7 +230,8 @@ def ep_trainer_runs(tmp_path, converter: str, options: dict, *, steps: int, env=
     ep_args = ("--parallelism.expert_parallel_degree", "2", "--training.disable_cuda_graphs")
 
     def run(dump, *extra):
-        return run_trainer("deepseek_v3", "deepseek_v3_debugmodel", dump, steps, *extra, nproc=2, env=env, **kwargs)
+        module = next(model for model in MODEL_REGISTRIES if config.startswith(model))
+        return run_trainer(module, config, dump, steps, *extra, nproc=2, env=env, **kwargs)
 
     ep, log = run(tmp_path / "ep", *common, *ep_args)
     dp, _ = run(tmp_path / "dp", *common)
@@ -236,23 +239,33 @@ def ep_trainer_runs(tmp_path, converter: str, options: dict, *, steps: int, env=
 
 
 @pytest.mark.trainer
-@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
-def test_expert_parallel_on_primus_turbo_definitions_tracks_the_same_ranks_without_it(recipe, tmp_path):
+@pytest.mark.parametrize(
+    "config, experts, recipe",
+    [
+        ("deepseek_v3_debugmodel", 5, "rowwise"),
+        ("deepseek_v3_debugmodel", 5, "tensorwise"),
+        ("qwen3_moe_debug", 8, "rowwise"),
+    ],
+)
+def test_expert_parallel_on_primus_turbo_definitions_tracks_the_same_ranks_without_it(
+    config, experts, recipe, tmp_path
+):
     """The emulation of Primus-Turbo's definitions (gfx942 profile) with EP 2 against FSDP 2
     alone: the scales that span experts are taken over each rank's experts and the tokens
     routed to them, so the numbers are not bitwise one device's. Measured over 3 steps: at most
     0.011% apart (rowwise: step 1 equal, only wgrad scales differ), 0.08% (tensorwise); bound
-    0.5%. (On Primus-Turbo's own code: tests/real_turbo/test_expert_parallel.py.) Tensorwise
+    0.5%; qwen3 MoE debug, rowwise: at most 0.006%. (On Primus-Turbo's own code:
+    tests/real_turbo/test_expert_parallel.py.) Tensorwise
     with FP8 all-gather on: the expert weights, which EP shards first, are gathered in bf16."""
     fp8_all_gather = recipe == "tensorwise"
     options = {"recipe": recipe, "device": "gfx942", "backend": "emulated"}
     options["enable_fsdp_float8_all_gather"] = fp8_all_gather
-    ep, dp, log = ep_trainer_runs(tmp_path, "titan_primus.torchtitan.overrides.fp8", options, steps=3)
-    assert f"grouped experts: 5 -> emulated ({recipe} (primus_turbo definition, e4m3fnuz)" in log
+    ep, dp, log = ep_trainer_runs(tmp_path, "titan_primus.torchtitan.overrides.fp8", options, steps=3, config=config)
+    assert f"grouped experts: {experts} -> emulated ({recipe} (primus_turbo definition, e4m3fnuz)" in log
     bf16_experts = "FSDP2 gathers the Fp8GroupedExperts weights in bf16: expert parallelism shards them first"
     assert (bf16_experts in log) == fp8_all_gather
     assert f"expert parallelism (degree 2), Fp8GroupedExperts {recipe} (primus_turbo definition" in log
     assert sorted(ep) == sorted(dp) == [1, 2, 3]
-    print(f"{recipe}: EP {ep}, without {dp}")
+    print(f"{config} {recipe}: EP {ep}, without {dp}")
     for step in dp:
         assert abs(ep[step] - dp[step]) <= 0.005 * dp[step], (step, ep[step], dp[step])
