@@ -23,6 +23,7 @@ from titan_primus.numerics import (
 __all__ = [
     "Hardware",
     "bars",
+    "expert_parallel_sqnrs",
     "make_offsets",
     "reference_grouped",
     "reference_linear",
@@ -58,3 +59,31 @@ class Hardware:
     def synchronize(self) -> None:
         if self.device == "cuda":
             torch.cuda.synchronize()
+
+
+def expert_parallel_sqnrs(grouped_mm, recipe, seed: int = 0) -> list[tuple[list[float], list[float]]]:
+    """Per expert, the SQNR vs fp32 of (out, grad_A, grad_W) when one device runs all 4 experts'
+    grouped GEMM, and when 2 expert-parallel ranks each run their 2 experts on the tokens routed
+    to them. Experts' tokens and weights differ in magnitude (x0.25 to x4), so scales taken over a
+    rank's experts differ from one device's."""
+    g = torch.Generator().manual_seed(seed)
+    counts, k, n = [300, 96, 210, 150], 256, 256
+    magnitude = torch.tensor([1.0, 4.0, 0.25, 2.0])
+    A = torch.cat([torch.randn(c, k, generator=g) * m for c, m in zip(counts, magnitude)]).bfloat16()
+    W = (torch.randn(len(counts), n, k, generator=g) * k**-0.5 * magnitude.flip(0).view(-1, 1, 1)).bfloat16()
+    grad = torch.randn(sum(counts), n, generator=g) * 1e-3
+
+    def per_expert(result, experts: slice):
+        bounds = make_offsets([0, *counts[experts]]).tolist()
+        out, grad_A, grad_W = result
+        return [(out[s:e], grad_A[s:e], grad_W[i]) for i, (s, e) in enumerate(zip(bounds, bounds[1:]))]
+
+    def run(rows: slice, experts: slice):
+        fp8 = lambda A, B_t, offs: grouped_mm(A, B_t, offs, recipe)  # noqa: E731
+        return per_expert(run_grouped(fp8, A[rows], W[experts], make_offsets(counts[experts]), grad[rows]), experts)
+
+    everything, half = slice(None), sum(counts[:2])
+    reference = per_expert(reference_grouped(A, W, make_offsets(counts), grad), everything)
+    one_device = run(everything, everything)
+    ranks = run(slice(None, half), slice(None, 2)) + run(slice(half, None), slice(2, None))
+    return [(sqnrs(r, one), sqnrs(r, ep)) for r, one, ep in zip(reference, one_device, ranks)]

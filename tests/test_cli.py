@@ -105,6 +105,23 @@ def test_doctor_reports_versions_device_backends_and_routing(capsys):
         assert f"| {backend}" in out
 
 
+def test_doctor_says_what_the_expert_scales_cover_under_expert_parallelism(capsys, monkeypatch):
+    monkeypatch.setenv("TITAN_PRIMUS_BACKEND", "emulated")  # Primus-Turbo's definitions, as on an MI300X
+    code, out, _ = run_cli(capsys, "doctor", "--device", "gfx942")
+    assert code == 0
+    section = out.split("grouped_mm under expert parallelism")[1]
+    assert (
+        "rowwise (emulated, primus_turbo definition): scales spanning experts (grad_weight.grad_output, "
+        "grad_weight.input) are taken over the rank's own experts" in section
+    )
+    assert "tensorwise (emulated, primus_turbo definition): scales spanning experts (all of them)" in section
+    assert "blockwise (emulated, primus_turbo definition): every scale covers one expert's data" in section
+    assert "rowwise_with_gw_hp (emulated, torchao definition): refused" in section
+    code, out, _ = run_cli(capsys, "doctor", "--json", "--device", "gfx942")
+    rows = {(r["op"], r["recipe"]): r["expert_parallel"] for r in json.loads(out)["routing"]}
+    assert rows["linear", "rowwise"] is None and rows["grouped_mm", "tensorwise"].startswith("scales spanning")
+
+
 def test_doctor_reports_a_missing_torchtitan_in_one_line(capsys, monkeypatch):
     from importlib import metadata
 

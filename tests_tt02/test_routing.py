@@ -84,7 +84,8 @@ def test_backend_requested_by_name_and_by_environment(monkeypatch):
 
 
 def test_parallelisms_that_would_change_the_numerics_are_refused_at_conversion():
-    """As the 0.3 adapter does: FSDP is fine, TP is not, EP only with per-expert scales."""
+    """As the 0.3 adapter does: FSDP is fine, TP is not, EP where scales stay within an expert or
+    are defined over a rank's experts (Primus-Turbo's definitions)."""
     convert(meta_model("deepseek_v3"), parallel_dims(world_size=8))  # FSDP 8
     with pytest.raises(ValueError, match=r"tensor parallelism \(degree 2\).*Fp8Linear"):
         convert(meta_model("llama3"), parallel_dims(world_size=2, tp=2))
@@ -96,3 +97,20 @@ def test_parallelisms_that_would_change_the_numerics_are_refused_at_conversion()
     with pytest.raises(ValueError, match=r"expert parallelism \(degree 4\) with recipe tensorwise"):
         convert(meta_model("deepseek_v3"), ep, recipe="tensorwise")
     convert(meta_model("deepseek_v3"), ep, recipe="tensorwise", grouped_experts=False)
+    # Primus-Turbo's definitions: scales that span experts are taken over the rank's experts.
+    for recipe in ("tensorwise", "rowwise"):
+        report = convert(meta_model("deepseek_v3"), ep, recipe=recipe, device="gfx942", backend="emulated").report
+        assert report.decisions["grouped_mm"].recipe.definition == "primus_turbo"
+        assert "under expert parallelism: scales spanning experts" in report.summary()
+    # ... and their expert weights, which EP shards first, are all-gathered in bf16.
+    model = meta_model("deepseek_v3")
+    convert(
+        model,
+        parallel_dims(world_size=4, ep=2),
+        recipe="tensorwise",
+        device="gfx942",
+        backend="emulated",
+        enable_fsdp_float8_all_gather=True,
+    )
+    weights = {type(getattr(m, "w1", None)).__name__ for m in model.modules() if hasattr(m, "pad_token_groups")}
+    assert weights == {"Parameter"}, weights

@@ -67,7 +67,9 @@ def check_parallelism(
     each forward. Tensor parallelism hands each rank a shard: fine for a linear whose module
     tells its backend the shards (``passes_shards``) and whose backend reduces amaxes across
     them (``tensor_parallel_scales``); refused otherwise, and for MoE experts. Expert
-    parallelism is fine when every grouped-GEMM scale covers one expert's data.
+    parallelism is fine when every grouped-GEMM scale covers one expert's data, or where the
+    recipe defines its scales that span experts over a rank's experts
+    (:attr:`~titan_primus.recipes.Fp8Recipe.expert_parallel_scales`).
     """
     backend, recipe = (
         (decision_or_recipe.backend, decision_or_recipe.recipe)
@@ -91,13 +93,13 @@ def check_parallelism(
             + ("" if experts else " (the emulated backend computes whole-tensor scales under TP)")
             + "."
         )
-    if experts and parallel_dims.ep > 1 and not recipe.grouped_scales_per_expert:
+    if experts and parallel_dims.ep > 1 and recipe.expert_parallel_scales is None:
         raise ValueError(
             f"titan-primus: expert parallelism (degree {parallel_dims.ep}) with recipe "
-            f"{recipe.describe()} is not supported: its grouped-GEMM scales span all experts, and "
-            f"each rank holds only some of them. Use recipe 'rowwise' with the TorchAO definition "
-            f"(TorchAO or the emulation on non-MI300 devices), 'mxfp8' or 'blockwise' (per-expert "
-            f"blocks), or turn grouped_experts off."
+            f"{recipe.describe()} is not supported: its grouped-GEMM scales span all experts, each "
+            f"rank holds only some of them, and this definition has none over a rank's experts. Use "
+            f"'rowwise' (per-expert scales), 'mxfp8' or 'blockwise' (per-expert blocks), Primus-Turbo's "
+            f"definitions (scales over the rank's experts, as AMD Primus runs), or turn grouped_experts off."
         )
 
 
@@ -217,6 +219,8 @@ class ConversionReport:
             for backend, count in counts.items():
                 lines.append(f"  {label}: {count} -> {backend} ({decision.recipe.describe()}; {decision.reason})")
                 lines += [f"    passed over {name}: {why}" for name, why in decision.passed_over]
+                if kind == "experts":
+                    lines.append(f"    under expert parallelism: {decision.recipe.expert_parallel_scope()}")
             by_reason: dict[str, list[str]] = defaultdict(list)
             for route in self.skipped(kind):
                 by_reason[route.reason].append(route.fqn)

@@ -129,6 +129,12 @@ class Fp8Recipe:
     bit only where scales are not powers of two."""
     block_scale: BlockScaleRule | None = None
     """The scale rule of the block-scaled casts (block recipes only)."""
+    rank_local_expert_scales: bool = False
+    """Under expert parallelism, the grouped-GEMM scales that span experts are taken over the
+    rank's own experts and the tokens routed to them, as AMD Primus runs Primus-Turbo's grouped
+    GEMM on the tokens each rank receives. Never coarser than one device's scales, but not
+    bitwise one device's: Primus-Turbo's variable-K wgrad kernels take one scale vector per
+    dimension for all groups, so per-expert scales cannot be passed to them."""
     sixteen_bit_gemms: bool = False
     """Every FP8 GEMM writes bfloat16 or float16 only (Primus-Turbo: no backend of
     ``kernels/gemm/gemm_fp8_impl.py`` lists float32 output in its SUPPORTED_DTYPES), so a
@@ -150,6 +156,38 @@ class Fp8Recipe:
         if any(c.fmt is not None and c.granularity != "rowwise" for c in casts):
             return False
         return self.grouped_wgrad_per_group or all(c.fmt is None for c in (self.grad_weight.a, self.grad_weight.b))
+
+    def _casts_spanning_experts(self) -> list[str]:
+        """The grouped-GEMM casts whose scales cover more than one expert's data on one device:
+        tensorwise ones, and rowwise wgrad ones taken over all groups' rows at once."""
+        return [
+            f"{gemm}.{operand}"
+            for gemm, operands in _OPERANDS.items()
+            for operand, cast in zip(operands, (getattr(self, gemm).a, getattr(self, gemm).b))
+            if cast.granularity == "tensorwise"
+            and cast.fmt is not None
+            or (cast.granularity == "rowwise" and gemm == "grad_weight" and not self.grouped_wgrad_per_group)
+        ]
+
+    @property
+    def expert_parallel_scales(self) -> str | None:
+        """What this recipe's grouped-GEMM scales cover under expert parallelism, in words; None
+        where expert parallelism is refused (scales that span experts, and no definition of them
+        over a rank's experts)."""
+        if self.grouped_scales_per_expert:
+            return "every scale covers one expert's data, as on one device"
+        if not self.rank_local_expert_scales:
+            return None
+        spanning = self._casts_spanning_experts()
+        which = "all of them" if len(spanning) == 6 else ", ".join(spanning)
+        return (
+            f"scales spanning experts ({which}) are taken over the rank's own experts and the tokens routed "
+            f"to them, as AMD Primus runs (on one device: over all experts)"
+        )
+
+    def expert_parallel_scope(self) -> str:
+        """What the grouped-GEMM scales cover under expert parallelism, or why it is refused."""
+        return self.expert_parallel_scales or "refused: its scales span all experts, with no definition over a rank's"
 
     def dtype(self, cast: OperandCast) -> torch.dtype:
         return self.e4m3 if cast.fmt == "e4m3" else self.e5m2
@@ -177,6 +215,12 @@ def _gemms(
     return GemmCasts(*fwd), GemmCasts(*dgrad), GemmCasts(*wgrad)
 
 
+# The operands (a, b) of each GEMM, as GemmCasts names them.
+_OPERANDS = {
+    "output": ("input", "weight"),
+    "grad_input": ("grad_output", "weight"),
+    "grad_weight": ("grad_output", "input"),
+}
 _T4 = OperandCast("e4m3", "tensorwise")
 _T5 = OperandCast("e5m2", "tensorwise")
 _R4 = OperandCast("e4m3", "rowwise")
@@ -193,6 +237,7 @@ _PRIMUS = {
     "backward_from_fp8": True,
     "reciprocal_scales": True,
     "sixteen_bit_gemms": True,
+    "rank_local_expert_scales": True,
 }
 
 # (recipe, definition) -> (output, grad_input, grad_weight casts), options

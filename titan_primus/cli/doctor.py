@@ -126,6 +126,7 @@ def _routing(profile: DeviceProfile) -> list[dict]:
                         "definition": None,
                         "reason": str(e),
                         "passed_over": [{"backend": name, "reason": why} for name, why in e.passed_over],
+                        "expert_parallel": None,
                     }
                 )
                 continue
@@ -137,6 +138,7 @@ def _routing(profile: DeviceProfile) -> list[dict]:
                     "definition": decision.recipe.definition,
                     "reason": decision.reason,
                     "passed_over": [{"backend": name, "reason": why} for name, why in decision.passed_over],
+                    "expert_parallel": decision.recipe.expert_parallel_scope() if op == "grouped_mm" else None,
                 }
             )
     return rows
@@ -223,6 +225,13 @@ def render(diagnosis: dict) -> str:
             ],
         )
     )
+    expert_parallel = [r for r in diagnosis["routing"] if r["expert_parallel"]]
+    if expert_parallel:
+        lines += ["", "grouped_mm under expert parallelism (what each recipe's scales cover on a rank):"]
+        lines += [
+            f"  {r['recipe']} ({r['backend']}, {r['definition']} definition): {r['expert_parallel']}"
+            for r in expert_parallel
+        ]
     if passed_over:
         lines += ["", "why backends were passed over:"]
         lines += [f"  [{n}] {name}: {why}" for (name, why), n in note.items()]

@@ -67,18 +67,21 @@ class _Fp8Module:
             passes_shards=not self.covers_experts,
         )
         # Unwrapped before TorchTitan distributes or annotates the weights where FSDP2 is not
-        # the only one to shard them (check_parallelism refuses TP for experts, and EP for
-        # every recipe whose expert weights gather in FP8: their scales span experts), and
+        # the only one to shard them (tensor parallelism; expert parallelism for experts), and
         # where FSDP2 does not shard (nothing to save).
+        if self.covers_experts and parallel_dims.ep > 1:
+            _log_expert_parallel_scales(type(self).__name__, parallel_dims.ep, self.fp8_recipe)
         if self.fp8_all_gather:
-            why_not = self._why_no_fp8_all_gather()
+            why_not = self._why_no_fp8_all_gather(parallel_dims)
             if why_not:
                 _warn_no_fp8_all_gather(type(self).__name__, why_not)
             if why_not or not parallel_dims.fsdp_enabled:
                 self.use_fp8_all_gather(False)
         super().parallelize(parallel_dims)
 
-    def _why_no_fp8_all_gather(self) -> str | None:
+    def _why_no_fp8_all_gather(self, parallel_dims) -> str | None:
+        if self.covers_experts and parallel_dims.ep > 1:
+            return "expert parallelism shards them first"
         return None
 
     @property
@@ -125,6 +128,17 @@ def _warn_no_fp8_all_gather(module: str, why: str) -> None:
     logger.warning("titan-primus: enable_fsdp_float8_all_gather: FSDP2 gathers the %s weights in bf16: %s", module, why)
 
 
+@functools.cache
+def _log_expert_parallel_scales(module: str, degree: int, recipe: Fp8Recipe) -> None:
+    logger.info(
+        "titan-primus: expert parallelism (degree %d), %s %s: %s",
+        degree,
+        module,
+        recipe.describe(),
+        recipe.expert_parallel_scales,
+    )
+
+
 class Fp8Linear(_Fp8Module, Linear):
     """``Linear`` whose GEMMs run in FP8 on a titan-primus backend."""
 
@@ -151,7 +165,7 @@ class Fp8Linear(_Fp8Module, Linear):
         self.fp8_shards = tensor_parallel_shards(self._sharding_config, parallel_dims)
         super().parallelize(parallel_dims)
 
-    def _why_no_fp8_all_gather(self) -> str | None:
+    def _why_no_fp8_all_gather(self, parallel_dims) -> str | None:
         return "tensor parallelism shards them first" if self.fp8_shards is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

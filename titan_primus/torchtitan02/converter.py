@@ -3,7 +3,7 @@ meta model so linears and MoE experts run their GEMMs on the best FP8 backend he
 
 from __future__ import annotations
 
-
+import functools
 import logging
 import sys
 
@@ -70,7 +70,8 @@ class Float8Converter:
     ``convert(model)`` in place on the meta model before parallelisation. Options come from the
     ``[titan_primus]`` section (:class:`~titan_primus.conversion.ConversionOptions`).
     Parallelisms that would change the FP8 numerics (tensor parallelism; expert parallelism with
-    scales across experts) are refused at conversion, before the first step.
+    scales across experts that the recipe does not define over a rank's experts) are refused at
+    conversion, before the first step.
     """
 
     def __init__(self, job_config, parallel_dims):
@@ -141,11 +142,13 @@ class Float8Converter:
         _swap(model, fqn, fp8)
 
     def _all_gather_plan(self, op, decision, fqn=None, shared_with=None):
-        """The FP8 all-gather plan for ``op``'s weights, where FSDP2 shards them. Tensor and
-        expert parallelism never reach here with one: check_parallelism refuses TP for these
-        layers, and EP for every recipe whose expert weights gather in FP8 (tensorwise, and
-        Primus-Turbo's rowwise: their scales span experts)."""
+        """The FP8 all-gather plan for ``op``'s weights, where FSDP2 shards them. Tensor
+        parallelism never reaches here with one (check_parallelism refuses TP for these
+        layers); expert weights under expert parallelism, which shards them first, gather in bf16."""
         if not self.router.fp8_all_gather(op, fqn, shared_with) or not self.parallel_dims.fsdp_enabled:
+            return None
+        if op == "grouped_mm" and self.parallel_dims.ep > 1:
+            _warn_no_fp8_all_gather_under_ep()
             return None
         return fp8_all_gather_plan(decision.backend, decision.recipe, op)[0]
 
@@ -155,6 +158,14 @@ class Float8Converter:
         per GEMM call)."""
         parts = model if isinstance(model, list) else [model]
         precompute_fp8_weight_amaxes(p for part in parts for p in part.parameters())
+
+
+@functools.cache
+def _warn_no_fp8_all_gather_under_ep() -> None:
+    logger.warning(
+        "titan-primus: enable_fsdp_float8_all_gather: FSDP2 gathers the Fp8GroupedExperts weights in bf16: "
+        "expert parallelism shards them first"
+    )
 
 
 def _owners_of_shared_parameters(model: nn.Module) -> dict:
