@@ -45,7 +45,7 @@ ASSETS = REPO / "examples" / "assets"
 LAUNCH_SCRIPT = Path(__file__).resolve().with_name("validate_launch.py")
 
 # CPU defaults: (stock module, stock config, steps); measured in docs/measurements.md.
-CPU_DEFAULT = [("llama3", "llama3_debugmodel", 200), ("deepseek_v3", "deepseek_v3_debugmodel", 100)]
+CPU_DEFAULT = [("llama3", "llama3_debugmodel", 200), ("deepseek_v3", "deepseek_v3_debugmodel", 50)]
 CPU_QUICK = [("llama3", "llama3_debugmodel", 20)]
 CPU_SEQ_LEN, CPU_QUICK_SEQ_LEN, CPU_BATCH = 256, 128, 2
 
