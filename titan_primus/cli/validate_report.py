@@ -140,11 +140,11 @@ def plot_validate_png(labelled: list[tuple[str, dict]], path: str) -> None:
                 peaks.append(peak_memory(steps) / 2**30)
         title = f"{result['config']} ({label}): {doc['summary']['status']}"
         loss_ax.set_title(f"loss: {title}", fontsize=9)
-        loss_ax.set_xlabel("step")
-        loss_ax.legend(fontsize=7)
         tps_ax.set_title("tokens/s per step", fontsize=9)
-        tps_ax.set_xlabel("step")
-        tps_ax.legend(fontsize=7)
+        for ax in (loss_ax, tps_ax):
+            ax.set_xlabel("step")
+            if ax.lines:  # a run that logged no step draws nothing
+                ax.legend(fontsize=7)
         mem_ax.barh(
             range(len(names)), peaks, color=[_STYLE.get(n.removeprefix("baseline "), ("C7",))[0] for n in names]
         )
