@@ -47,6 +47,7 @@ fi
 
 make test
 OMP_NUM_THREADS=1 PATH="$PWD/.venv/bin:$PATH" ci/gate.sh cpu
+OMP_NUM_THREADS=1 PATH="$PWD/.venv/bin:$PATH" ci/validate.sh cpu --quick
 drop_if_created .venv
 if [[ -n $oldest_builder ]]; then
     echo "== make setup-oldest (built in the background)"

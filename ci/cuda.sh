@@ -16,5 +16,6 @@ python -c 'import sys, titan_primus as tp; d = tp.detect_device()
 sys.exit(0 if d.kind == "cuda" and d.fp8_hardware else f"ci/cuda.sh: needs an NVIDIA SM89+ GPU; this is {d.arch}")'
 step "cuda-marked tests (real TorchAO kernels)" python -m pytest -q -m cuda tests
 step "parity gate, TorchAO required" ci/gate.sh cuda --require torchao --compile
+step "validate (FP8 vs bf16 on TorchTitan's trainer)" ci/validate.sh cuda --module llama3 --config llama3_debugmodel --steps 300
 echo "CUDA results: $ARTIFACTS"
 finish

@@ -1,7 +1,8 @@
 """``titan-primus``: the command line. Parses arguments only; each subcommand lives in its own
-module (doctor, parity, bench, report), imported when it runs.
+module (doctor, parity, bench, validate, report), imported when it runs.
 
-Exit codes: 0 success; 1 a parity case failed or a required backend did not run; 2 bad usage
+Exit codes: 0 success; 1 a parity case failed, a required backend did not run, or a validate
+verdict failed; 2 bad usage
 (unknown flag, unreadable or malformed input file), reported in one line.
 """
 
@@ -117,9 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="sequences per rank and step of the --memory model (default 1)",
     )
 
+    _add_validate(commands)
+
     report = commands.add_parser(
         "report",
-        help="render parity/bench/memory JSON files side by side as Markdown",
+        help="render parity/bench/memory JSON files side by side as Markdown (or a validate file)",
         description="Render parity, bench and bench --memory results files side by side as Markdown, optionally a PNG plot.",
     )
     report.add_argument("files", nargs="+", metavar="FILE", help="results files written with --json")
@@ -128,9 +131,62 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="also plot SQNR per case per backend (parity files) or bytes kept per layer (memory files) "
         "to PATH; both kinds: the memory plot goes to PATH with '-memory' before the suffix "
-        "(needs matplotlib)",
+        "(needs matplotlib); a validate file: its loss curves, tokens/s and memory",
     )
     return parser
+
+
+def _add_validate(commands) -> None:
+    validate = commands.add_parser(
+        "validate",
+        help="the upgrade gate: TorchTitan's trainer with FP8 against bf16 and two noise floors "
+        "(--baseline: against an earlier run); exit 1 when a verdict fails",
+        description="Train bf16, FP8, bf16 at another seed (the seed floor) and FP8 with its initial weights "
+        "changed in the last bit (the last-bit floor) on the same data; judge FP8's convergence against bf16 "
+        "and, with --baseline, losses, tokens/s and memory against an earlier validate JSON (docs/validate.md). "
+        "Arguments after -- go to TorchTitan's trainer.",
+    )
+    validate.add_argument("--module", help="stock TorchTitan model of the config (llama3, deepseek_v3, qwen3)")
+    validate.add_argument(
+        "--config",
+        help="stock TorchTitan config (e.g. llama3_8b); FP8 runs its titan_primus _fp8 twin. "
+        "Default on a CPU: llama3 and deepseek_v3 debug models on the shipped corpus",
+    )
+    validate.add_argument("--quick", action="store_true", help="on a CPU: llama3 debug, 20 steps (minutes)")
+    validate.add_argument("--steps", type=_positive, metavar="N", help="training steps of every run")
+    validate.add_argument("--seq-len", type=_positive, metavar="N", help="training.seq_len")
+    validate.add_argument("--batch", type=_positive, metavar="N", help="training.local_batch_size")
+    validate.add_argument("--nproc", type=_positive, metavar="N", help="ranks (default: the GPUs here, or 1)")
+    validate.add_argument("--recipe", choices=RECIPE_NAMES, default="rowwise", help="FP8 recipe (default rowwise)")
+    validate.add_argument("--seed", type=int, default=42, help="seed of the bf16 and FP8 runs (default 42)")
+    validate.add_argument("--floor-seed", type=int, default=43, help="seed of the seed-floor run (default 43)")
+    validate.add_argument("--window", type=_positive, default=10, metavar="N", help="steps per loss window (10)")
+    validate.add_argument(
+        "--seed-factor", type=float, default=1.0, help="FP8 vs bf16 bound: this times the seed floor (default 1)"
+    )
+    validate.add_argument(
+        "--last-bit-factor",
+        type=float,
+        default=2.0,
+        help="baseline loss bound: this times the last-bit floor (default 2)",
+    )
+    validate.add_argument(
+        "--spike-factor",
+        type=float,
+        default=3.0,
+        help="a grad-norm spike: this times the median of the window before (default 3)",
+    )
+    validate.add_argument(
+        "--tps-tolerance", type=float, default=0.05, help="tokens/s may be this fraction below the baseline's (0.05)"
+    )
+    validate.add_argument(
+        "--memory-tolerance", type=float, default=0.05, help="memory may be this fraction above the baseline's (0.05)"
+    )
+    validate.add_argument("--baseline", metavar="PATH", help="an earlier validate JSON of the same config")
+    validate.add_argument("--json", metavar="PATH", help="write the results to PATH (docs/json-schema.md)")
+    validate.add_argument("--png", metavar="PATH", help="also plot the curves to PATH (titan-primus report does too)")
+    validate.add_argument("--work-dir", metavar="DIR", help="keep the trainer logs and dump folders in DIR")
+    validate.add_argument("overrides", nargs=argparse.REMAINDER, help="-- then TorchTitan trainer arguments")
 
 
 def _positive(text: str) -> int:
@@ -187,6 +243,10 @@ def main(argv: list[str] | None = None) -> int:
                 sys.stdout,
                 fsdp_ranks=args.fsdp_ranks,
             )
+        if args.command == "validate":
+            from . import validate
+
+            return validate.command(args, sys.argv[1:] if argv is None else argv, sys.stdout)
         from . import report
 
         return report.command(args.files, args.png, sys.stdout)

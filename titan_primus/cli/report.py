@@ -34,7 +34,7 @@ __all__ = [
 ]
 
 SCHEMA_VERSION = 1
-RESULT_KINDS = ("parity", "bench", "memory")
+RESULT_KINDS = ("parity", "bench", "memory", "validate")
 _TOP_LEVEL_KEYS = ("schema_version", "kind", "environment", "settings", "results", "summary")
 _ROW_KEYS = ("op", "case", "backend", "status", "reason")
 
@@ -84,11 +84,27 @@ def load_document(path: str) -> dict:
         )
     if doc["kind"] not in RESULT_KINDS:
         raise ResultsFileError(f"{path}: kind {doc['kind']!r} is not one of {', '.join(RESULT_KINDS)}")
+    if doc["kind"] == "validate":  # one result per config, its runs and verdicts (validate.py)
+        _check_validate_results(path, doc["results"])
+        return doc
     for i, row in enumerate(doc["results"]):
         absent = [key for key in _ROW_KEYS if key not in row]
         if absent:
             raise ResultsFileError(f"{path}: results[{i}] lacks {', '.join(absent)}")
     return doc
+
+
+_VALIDATE_KEYS = ("config", "module", "runs", "verdicts")
+
+
+def _check_validate_results(path: str, results: list) -> None:
+    for i, result in enumerate(results):
+        absent = [key for key in _VALIDATE_KEYS if key not in result]
+        if absent:
+            raise ResultsFileError(f"{path}: results[{i}] lacks {', '.join(absent)}")
+        for role, run in result["runs"].items():
+            if "steps" not in run:
+                raise ResultsFileError(f"{path}: results[{i}].runs.{role} lacks steps")
 
 
 def db_value(x: float) -> float | str:
@@ -387,6 +403,17 @@ def _pyplot():
 
 def command(paths: list[str], png: str | None, out) -> int:
     labelled = [(_label(p, doc), doc) for p, doc in ((p, load_document(p)) for p in paths)]
+    validate = [(Path(p).name, doc) for p, (_, doc) in zip(paths, labelled) if doc["kind"] == "validate"]
+    if validate:  # validate files render on their own: verdicts, runs, curves
+        from .validate_report import plot_validate_png, render_validate_markdown
+
+        if len(validate) < len(labelled):
+            raise ResultsFileError("validate files are rendered on their own: give them without parity/bench files")
+        out.write("\n".join(render_validate_markdown(doc, label) for label, doc in validate))
+        if png:
+            plot_validate_png(validate, png)
+            out.write(f"\nPNG written to {png}\n")
+        return 0
     out.write(render_markdown(labelled))
     if png:
         kinds = {doc["kind"] for _, doc in labelled}

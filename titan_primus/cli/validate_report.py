@@ -1,0 +1,158 @@
+"""Rendering a ``titan-primus validate`` results file: Markdown (the verdicts with their figures,
+the runs, the floors, the stack and what changed since the baseline) and a PNG (per config: the
+loss curves of bf16, FP8 and the baseline's FP8; tokens/s; peak memory)."""
+
+from __future__ import annotations
+
+import math
+
+from .report import markdown_table
+from .validate_verdicts import median_tps, peak_memory
+
+__all__ = ["plot_validate_png", "render_validate_markdown"]
+
+
+def _pct(x) -> str:
+    x = float(x) if x is not None else math.nan
+    return "nan" if math.isnan(x) else f"{100 * x:.2f}%"
+
+
+def _last_loss(steps: list[dict]) -> str:
+    return f"{float(steps[-1]['loss']):.4f}" if steps else "-"
+
+
+def render_validate_markdown(doc: dict, label: str) -> str:
+    env, settings, summary = doc["environment"], doc["settings"], doc["summary"]
+    out = [f"# titan-primus validate: {summary['status'].upper()} ({label})", ""]
+    out.append(f"`{settings['command']}`, {summary.get('wall_s', '?')} s")
+    out.append("")
+    stack = [[k, str(v) if v is not None else "-"] for k, v in env.get("versions", {}).items()]
+    stack += [["device", env.get("device", {}).get("description", "-")], ["device name", env.get("device_name", "-")]]
+    stack += [["Primus-Turbo build", env.get("primus_turbo_build") or "-"], ["date", env.get("date", "-")]]
+    out += [markdown_table(["stack", ""], stack), ""]
+    baseline = doc.get("baseline")
+    if baseline:
+        out += [f"## Since the baseline {baseline['path']} ({baseline.get('date', '?')})", ""]
+        diffs = baseline["stack_differences"]
+        out.append(
+            markdown_table(
+                ["stack field", "baseline", "now"], [[d["field"], str(d["baseline"]), str(d["now"])] for d in diffs]
+            )
+            if diffs
+            else "The stack is the same as the baseline's."
+        )
+        if baseline.get("unmatched_baseline_configs"):
+            out += ["", f"Baseline configs not run now: {', '.join(baseline['unmatched_baseline_configs'])}"]
+        out.append("")
+    for result in doc["results"]:
+        out += [f"## {result['config']} ({result['module']}; FP8: titan_primus {result['fp8_config']})", ""]
+        rows = []
+        for role, run in result["runs"].items():
+            steps = run["steps"]
+            rows.append(
+                [
+                    role,
+                    str(run["seed"]) + (" + last bit" if run.get("last_bit") else ""),
+                    str(len(steps)),
+                    _last_loss(steps),
+                    f"{median_tps(steps):,.0f}" if steps else "-",
+                    f"{peak_memory(steps) / 2**30:.3f}" if steps else "-",
+                    f"{run.get('wall_s', '-')}",
+                    run["status"] if run["status"] == "ok" else f"{run['status']}: {run.get('reason', '')}",
+                ]
+            )
+        out += [
+            markdown_table(
+                ["run", "seed", "steps", "last loss", "tokens/s (median)", "peak memory GiB", "wall s", "status"], rows
+            ),
+            "",
+        ]
+        floors = result.get("floors", {})
+        if floors:
+            out.append(
+                f"Floors (mean per-step loss gap over the last window / worst window): seed "
+                f"{_pct(floors['seed']['final'])} / {_pct(floors['seed']['curve'])}, last bit "
+                f"{_pct(floors['last_bit']['final'])} / {_pct(floors['last_bit']['curve'])}; FP8 vs bf16 "
+                f"{_pct(result['gaps']['fp8_vs_bf16']['final'])} / {_pct(result['gaps']['fp8_vs_bf16']['curve'])}."
+            )
+            out.append("")
+        before = result.get("baseline")
+        if before and before["settings_differences"]:
+            out.append(f"Compared with the baseline's {before['config']}, whose settings differ:")
+            out.append("")
+            out.append(
+                markdown_table(
+                    ["setting", "baseline", "now"],
+                    [[d["field"], str(d["baseline"]), str(d["now"])] for d in before["settings_differences"]],
+                )
+            )
+            out.append("")
+        out.append(
+            markdown_table(
+                ["verdict", "status", "figures"],
+                [[v["name"], v["status"].upper(), v["text"]] for v in result["verdicts"]],
+            )
+        )
+        if result.get("routing"):
+            out += ["", "```", result["routing"], "```"]
+        out.append("")
+    failed = summary.get("failed_verdicts", [])
+    out.append(
+        f"{summary['verdicts'] - summary['failed']} of {summary['verdicts']} verdicts pass"
+        + (f"; FAILED: {'; '.join(failed)}" if failed else "")
+    )
+    return "\n".join(out) + "\n"
+
+
+_STYLE = {"bf16": ("C0", "-"), "fp8": ("C3", "-"), "seed_floor": ("C0", ":"), "last_bit_floor": ("C3", ":")}
+
+
+def plot_validate_png(labelled: list[tuple[str, dict]], path: str) -> None:
+    """One row per config of every file: loss curves (with the baseline's FP8 and bf16 dashed),
+    tokens/s per step, and peak memory per run."""
+    from .report import _pyplot, prepare_output
+
+    plt = _pyplot()
+    rows = [(label, doc, result) for label, doc in labelled for result in doc["results"]]
+    fig, axes = plt.subplots(len(rows), 3, figsize=(16, 4 * len(rows)), squeeze=False)
+    for (label, doc, result), (loss_ax, tps_ax, mem_ax) in zip(rows, axes):
+        names, peaks = [], []
+        for role, run in result["runs"].items():
+            steps = run["steps"]
+            if not steps:
+                continue
+            color, style = _STYLE.get(role, ("C7", "-"))
+            xs = [s["step"] for s in steps]
+            loss_ax.plot(xs, [float(s["loss"]) for s in steps], style, color=color, lw=1, label=role)
+            tps_ax.plot(xs, [float(s["tps"]) for s in steps], style, color=color, lw=1, label=role)
+            names.append(role)
+            peaks.append(peak_memory(steps) / 2**30)
+        for role, run in ((result.get("baseline") or {}).get("runs") or {}).items():
+            steps = run["steps"]
+            if steps:
+                color, _ = _STYLE[role]
+                xs = [s["step"] for s in steps]
+                loss_ax.plot(xs, [float(s["loss"]) for s in steps], "--", color=color, lw=1, alpha=0.6)
+                loss_ax.lines[-1].set_label(f"baseline {role}")
+                tps_ax.plot(xs, [float(s["tps"]) for s in steps], "--", color=color, lw=1, alpha=0.6)
+                tps_ax.lines[-1].set_label(f"baseline {role}")
+                names.append(f"baseline {role}")
+                peaks.append(peak_memory(steps) / 2**30)
+        title = f"{result['config']} ({label}): {doc['summary']['status']}"
+        loss_ax.set_title(f"loss: {title}", fontsize=9)
+        tps_ax.set_title("tokens/s per step", fontsize=9)
+        for ax in (loss_ax, tps_ax):
+            ax.set_xlabel("step")
+            if ax.lines:  # a run that logged no step draws nothing
+                ax.legend(fontsize=7)
+        mem_ax.barh(
+            range(len(names)), peaks, color=[_STYLE.get(n.removeprefix("baseline "), ("C7",))[0] for n in names]
+        )
+        mem_ax.set_yticks(range(len(names)), names, fontsize=7)
+        mem_ax.invert_yaxis()
+        device = "peak RSS" if doc["environment"].get("gpus_visible", 0) == 0 else "peak device memory"
+        mem_ax.set_title(f"memory: {device}, GiB", fontsize=9)
+    fig.tight_layout()
+    prepare_output(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
