@@ -63,7 +63,9 @@ test: $(STAMP)
 # The tier on Primus-Turbo's own Python and Triton code (tests/real_turbo), under Triton's
 # interpreter: one process per build and architecture (Primus-Turbo registers its ops and picks
 # its FP8 formats at import). TITAN_PRIMUS_TURBO_SOURCES overrides where the builds are
-# (default ../shared/primus-turbo); where they are absent the tier is skipped with that reason.
+# (default ../shared/primus-turbo); where they are absent the tier is skipped with that reason, and
+# with CI set pytest stops instead, naming the variable and the folder (ci/primus-turbo.sh fetches
+# them); with CI set, a run in which no test ran exits 5 too, so make stops.
 TURBO_BUILDS := v0.3.1 v0.3.2.dev48 v0.4.0 v0.4.1.dev26
 TURBO_ARCHS  := gfx942 gfx950
 # The build AMD's rocm/primus v26.5 image ships beside TorchTitan 0.2.2.
