@@ -200,7 +200,7 @@ def test_ci_run_is_the_cpu_script_with_lint_first():
     assert ["ci/cpu.sh"] in commands((ROOT / ".ci" / "run").read_text())
     argvs = commands((ROOT / "ci" / "cpu.sh").read_text())
     targets = [argv[1] for argv in argvs if argv[0] == "make"]
-    assert targets[0] == "lint" and {"test", "test-oldest", "test-tt02"} <= set(targets), targets
+    assert targets[0] == "lint" and {"test", "test-oldest", "test-tt02", "test-tt-next"} <= set(targets), targets
     assert ["ci/gate.sh", "cpu"] in argvs
 
 
@@ -432,3 +432,17 @@ def test_primus_turbo_pins_are_the_commits_the_shared_sources_name():
         pytest.skip(f"no Primus-Turbo SOURCE files at {shared}")
     named = {p.parent.name: re.match(r"commit ([0-9a-f]{40})\b", p.read_text())[1] for p in shared.glob("*/SOURCE")}
     assert primus_turbo_pins() == named
+
+
+def test_the_canary_builds_torchtitan_main_of_2026_08_21():
+    """make test-tt-next installs the shared wheel of TorchTitan main (2026-08-21) where it is
+    there, else that same commit (the one the wheel's README names) from GitHub."""
+    from real_turbo import loader
+
+    makefile = (ROOT / "Makefile").read_text()
+    commit = re.search(r"^TORCHTITAN_NEXT_COMMIT\s*:=\s*([0-9a-f]{40})$", makefile, re.M)[1]
+    assert "git+https://github.com/pytorch/torchtitan@$(TORCHTITAN_NEXT_COMMIT)" in makefile
+    readme = loader.default_sources().parent / "torchtitan-next" / "README.md"
+    if not readme.is_file():
+        pytest.skip(f"no {readme}")
+    assert f"commit `{commit}`" in readme.read_text()
