@@ -5,8 +5,15 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 # One thread per process: on 2-core machines 2 threads made training steps 3-15x slower.
-# $(call run,VENV): inductor's cache lives in the venv whose torch compiled it (and goes with it).
-run     = OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TORCHINDUCTOR_CACHE_DIR=$(CURDIR)/$(1)/inductor-cache
+# $(call run,VENV): inductor's cache is kept between runs and clones (a fresh clone's CI otherwise
+# rebuilds every C++ kernel the suite compiles), under INDUCTOR_CACHE, in one folder per torch
+# build and processor: inductor keys its entries on the graph, its settings and torch, and its CPU
+# code differs by processor, so an entry is only reused where it would be built the same.
+# INDUCTOR_CACHE= (empty) keeps it in the venv instead, as before.
+INDUCTOR_CACHE ?= $(HOME)/.cache/titan-primus/inductor
+inductor_key = $(shell $(1)/bin/python -c "import hashlib, torch; cpu = [l for l in open('/proc/cpuinfo') if l.startswith(('model name', 'flags'))][:2]; print(torch.__version__, torch.version.git_version[:12], hashlib.sha256(''.join(cpu).encode()).hexdigest()[:12], sep='-')")
+inductor_dir = $(if $(INDUCTOR_CACHE),$(INDUCTOR_CACHE)/$(call inductor_key,$(1)),$(CURDIR)/$(1)/inductor-cache)
+run     = OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TORCHINDUCTOR_CACHE_DIR=$(call inductor_dir,$(1))
 
 # Test processes (pytest-xdist): one per core, at most 4 (a TorchTitan trainer test runs up to two
 # ranks of its own).
@@ -25,7 +32,7 @@ OLDEST_TORCHTITAN := 0.2.2
 # the module is missing, so a ROCm Triton is never replaced.
 ensure_triton = $(1) -c "import triton" 2>/dev/null || $(1) -m pip install -q triton
 
-.PHONY: setup setup-oldest lint test test-turbo test-tt02 test-oldest demo clean
+.PHONY: setup setup-oldest lint test test-turbo test-tt02 test-oldest test-tt-next demo clean
 
 setup: $(STAMP)
 
@@ -63,7 +70,9 @@ test: $(STAMP)
 # The tier on Primus-Turbo's own Python and Triton code (tests/real_turbo), under Triton's
 # interpreter: one process per build and architecture (Primus-Turbo registers its ops and picks
 # its FP8 formats at import). TITAN_PRIMUS_TURBO_SOURCES overrides where the builds are
-# (default ../shared/primus-turbo); where they are absent the tier is skipped with that reason.
+# (default ../shared/primus-turbo); where they are absent the tier is skipped with that reason, and
+# with CI set pytest stops instead, naming the variable and the folder (ci/primus-turbo.sh fetches
+# them); with CI set, a run in which no test ran exits 5 too, so make stops.
 TURBO_BUILDS := v0.3.1 v0.3.2.dev48 v0.4.0 v0.4.1.dev26
 TURBO_ARCHS  := gfx942 gfx950
 # The build AMD's rocm/primus v26.5 image ships beside TorchTitan 0.2.2.
@@ -122,5 +131,36 @@ setup-oldest: $(STAMP_OLDEST)
 test-oldest: $(STAMP_OLDEST)
 	$(call run,$(VENV_OLDEST)) $(PY_OLDEST) $(PYTEST) tests_tt02 -m "not trainer or oldest"
 
+# The canary on TorchTitan's next line: TorchTitan main (2026-08-21; not v0.4.0, which is on no
+# registry here), a wheel in shared/torchtitan-next beside the checkout (or beside the nearest
+# folder above it that has one, as for the Primus-Turbo tier's sources); TORCHTITAN_NEXT overrides
+# the folder. Its own venv (torch 2.14.1, the wheel's dependencies from the registry), and the 0.3
+# adapter's converter, shapes, activation-checkpointing and trainer tests on it.
+TORCHTITAN_NEXT ?= $(shell d='$(CURDIR)'; while [ "$$d" != / ]; do d=$$(dirname "$$d"); \
+	if [ -d "$$d/shared/torchtitan-next" ]; then echo "$$d/shared/torchtitan-next"; break; fi; done)
+VENV_TT_NEXT  := .venv-tt-next
+PY_TT_NEXT    := $(VENV_TT_NEXT)/bin/python
+STAMP_TT_NEXT := $(VENV_TT_NEXT)/.installed
+TT_NEXT_TESTS := tests/test_converter.py tests/test_shapes.py tests/test_activation_checkpointing.py tests/test_trainer.py
+# Not the two compiled selective-AC cases: about 1000 s of inductor builds on the 2-core machine
+# (2026-12-01, under load), a fifth of CI's budget; make test runs them on TorchTitan 0.3.0.
+TT_NEXT_SELECT := not compiled
+
+# Where the wheel is not there (a fork's runner), pip builds the same commit from GitHub (its
+# version label then reads 0.2.2, main's assets/version.txt; nothing the canary runs reads it).
+TORCHTITAN_NEXT_COMMIT := b5bcd76c66d0acb1a08b176d9639425bc55e0b2a
+TT_NEXT_SOURCE = $(or $(firstword $(wildcard $(TORCHTITAN_NEXT)/torchtitan-*.whl)),torchtitan @ git+https://github.com/pytorch/torchtitan@$(TORCHTITAN_NEXT_COMMIT))
+
+$(STAMP_TT_NEXT): pyproject.toml Makefile
+	test -x $(PY_TT_NEXT) || $(PYTHON) -m venv $(VENV_TT_NEXT)
+	$(PY_TT_NEXT) -m pip install -q --upgrade pip
+	$(PY_TT_NEXT) -m pip install -q "torch==2.14.1"
+	$(PY_TT_NEXT) -m pip install -q -e ".[test]" "$(TT_NEXT_SOURCE)"
+	$(call ensure_triton,$(PY_TT_NEXT))
+	touch $@
+
+test-tt-next: $(STAMP_TT_NEXT)
+	$(call run,$(VENV_TT_NEXT)) $(PY_TT_NEXT) $(PYTEST) $(TT_NEXT_TESTS) -k "$(TT_NEXT_SELECT)"
+
 clean:
-	rm -rf $(VENV) $(VENV_TT02) $(VENV_OLDEST) $(VENV_LINT) outputs .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VENV_TT02) $(VENV_OLDEST) $(VENV_TT_NEXT) $(VENV_LINT) outputs .pytest_cache .ruff_cache

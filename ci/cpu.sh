@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # CPU CI, what .ci/run and the cpu workflow run, on a fresh clone on any Linux x86-64 machine with
-# Python 3.11 and a package registry: the lint gate, the README's test command, the CPU parity gate
-# (results in artifacts/cpu), then the TorchTitan 0.2.x suite on the oldest stack the project
-# supports (torch 2.12, torchao 0.15: AMD's images) and on the current one. Stops at the first
-# failure.
+# Python 3.11, git and a package registry: the lint gate, the README's test command (with the tier
+# on Primus-Turbo's own code: ci/primus-turbo.sh fetches its four builds from GitHub where they are
+# not beside the checkout), the CPU parity gate (results in artifacts/cpu), then the TorchTitan
+# 0.2.x suite on the oldest stack the project supports (torch 2.12, torchao 0.15: AMD's images) and
+# on the current one, and the canary on TorchTitan main (2026-08-21). Stops at the first failure.
 #
 # Each suite has its own venv of 5-6 GB (torch's registry wheels are CUDA builds). A venv this
 # script created is removed once its suite has passed, so the run peaks at two venvs' worth of
@@ -21,7 +22,7 @@ if ((free_gb < need_gb)); then
 fi
 
 created=()
-for venv in .venv .venv-tt02 .venv-oldest; do
+for venv in .venv .venv-tt02 .venv-oldest .venv-tt-next; do
     [[ -e $venv ]] || created+=("$venv")
 done
 drop_if_created() {
@@ -32,6 +33,13 @@ drop_if_created() {
 }
 
 make lint
+
+# The real-code tier (make test runs it) fails here instead of skipping where its Primus-Turbo
+# sources are missing (CI set), and ci/primus-turbo.sh brings them where they are not beside the
+# checkout: the four builds, pinned by commit.
+export CI=${CI:-true}
+TITAN_PRIMUS_TURBO_SOURCES=$(ci/primus-turbo.sh)
+export TITAN_PRIMUS_TURBO_SOURCES
 
 # Building .venv-oldest downloads torch 2.12 and its CUDA libraries from PyPI: about 8 minutes
 # when pip's cache is cold, nearly all of it waiting on the network. Where the disk holds two
@@ -62,3 +70,7 @@ make test-oldest
 drop_if_created .venv-oldest
 make test-tt02
 drop_if_created .venv-tt02
+# The canary on TorchTitan's next line, TorchTitan main (2026-08-21): the 0.3 adapter's converter,
+# shapes, activation-checkpointing and trainer tests.
+make test-tt-next
+drop_if_created .venv-tt-next

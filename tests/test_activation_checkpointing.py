@@ -8,7 +8,7 @@ per-block torch.compile. The 0.2.x save list: tests_tt02/test_activation_checkpo
 import pytest
 import torch
 from gemm_count import count_gemms
-from titan_helpers import build, model_config
+from titan_helpers import build, model_config, token_ids
 
 import titan_primus as tp
 from titan_primus.checkpointing import fp8_gemm_save_ops
@@ -34,7 +34,7 @@ def gemms_per_step(config, ac, compiled: bool, ops, count=count_gemms) -> tuple[
     model = build(config, seed=0)
     if ac is not None:
         ac.build().apply(model)
-    tokens = torch.randint(0, 2048, (2, 32), generator=torch.Generator().manual_seed(3))
+    tokens = token_ids(2, 32, torch.Generator().manual_seed(3))
 
     def step():
         out, forward = count(lambda: model(tokens), ops, compiled)

@@ -200,7 +200,7 @@ def test_ci_run_is_the_cpu_script_with_lint_first():
     assert ["ci/cpu.sh"] in commands((ROOT / ".ci" / "run").read_text())
     argvs = commands((ROOT / "ci" / "cpu.sh").read_text())
     targets = [argv[1] for argv in argvs if argv[0] == "make"]
-    assert targets[0] == "lint" and {"test", "test-oldest", "test-tt02"} <= set(targets), targets
+    assert targets[0] == "lint" and {"test", "test-oldest", "test-tt02", "test-tt-next"} <= set(targets), targets
     assert ["ci/gate.sh", "cpu"] in argvs
 
 
@@ -355,3 +355,94 @@ def test_parity_gate_fails_when_a_result_falls_below_its_threshold(tmp_path):
     wrong = [r for r in parity["results"] if r["backend"] == "wrong" and r["status"] != "skipped"]
     assert not parity["summary"]["ok"] and wrong and all(r["status"] == "fail" for r in wrong)
     assert "fail" in (artifacts / "report-cpu.md").read_text()
+
+
+def run_tier(path: str, **env: str) -> subprocess.CompletedProcess:
+    """pytest on a real-code tier folder with ``CI=true`` (and ``env``), in a process of its own."""
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", path],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "CI": "true", "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT), **env},
+        timeout=600,
+    )
+
+
+def test_on_ci_the_tier_fails_without_its_sources(tmp_path):
+    """Without its Primus-Turbo sources the tier skips every test; with CI set it stops pytest
+    instead, naming the variable and the folder it looked in."""
+    result = run_tier(
+        "tests/real_turbo", TITAN_PRIMUS_TURBO_BUILD="v0.4.1.dev26", TITAN_PRIMUS_TURBO_SOURCES=str(tmp_path)
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == pytest.ExitCode.USAGE_ERROR, output[-3000:]
+    assert f"sources not found at {tmp_path / 'v0.4.1.dev26'}" in output and "TITAN_PRIMUS_TURBO_SOURCES" in output
+
+
+def test_on_ci_a_tier_run_in_which_no_test_ran_fails():
+    """Every test collected skipped (a costly test on the architecture its build does not run it on):
+    exit 0 without CI, 5 with it."""
+    from real_turbo import loader
+
+    if not (loader.default_sources() / "v0.4.1.dev26" / "primus_turbo").is_dir():
+        pytest.skip(f"needs Primus-Turbo's sources at {loader.default_sources()} (ci/primus-turbo.sh)")
+    env = {"TITAN_PRIMUS_TURBO_BUILD": "v0.4.1.dev26", "TITAN_PRIMUS_TURBO_ARCH": "gfx942"}
+    result = run_tier("tests/real_turbo/test_models.py", **env)
+    assert result.returncode == pytest.ExitCode.NO_TESTS_COLLECTED, (result.stdout + result.stderr)[-3000:]
+    assert "1 skipped" in result.stdout and "no test ran; with CI set that is a failure" in result.stdout
+    assert run_tier("tests/real_turbo/test_models.py", CI="", **env).returncode == pytest.ExitCode.OK
+
+
+def primus_turbo_pins() -> dict[str, str]:
+    """ci/primus-turbo.sh's pins: build folder -> commit."""
+    block = re.search(r"^pins=\(\n(.*?)^\)", (ROOT / "ci" / "primus-turbo.sh").read_text(), re.M | re.S)
+    assert block, "ci/primus-turbo.sh holds no pins=( ... ) block"
+    return dict(line.strip().split("=") for line in block[1].splitlines())
+
+
+def test_the_cpu_job_fetches_the_four_primus_turbo_builds_pinned_by_commit():
+    """ci/cpu.sh (the cpu workflow's script) brings the tier's sources before make test, with CI
+    set so that the tier fails where they are missing; ci/primus-turbo.sh pins every build the tier
+    runs by full SHA and fetches its primus_turbo/ folder only."""
+    from real_turbo import stand_ins
+
+    assert any(step.get("run") == "ci/cpu.sh" for step in workflow_steps(ROOT / ".github" / "workflows" / "cpu.yml"))
+    cpu = (ROOT / "ci" / "cpu.sh").read_text()
+    assert "export CI=${CI:-true}" in cpu and "TITAN_PRIMUS_TURBO_SOURCES=$(ci/primus-turbo.sh)" in cpu
+    assert cpu.index("ci/primus-turbo.sh)") < cpu.index("\nmake test\n")
+    pins = primus_turbo_pins()
+    builds = re.search(r"^TURBO_BUILDS\s*:=\s*(.+)$", (ROOT / "Makefile").read_text(), re.M)[1].split()
+    assert list(pins) == builds and set(pins) == set(stand_ins.BUILDS)
+    assert all(re.fullmatch(r"[0-9a-f]{40}", commit) for commit in pins.values()), pins
+    fetch = (ROOT / "ci" / "primus-turbo.sh").read_text()
+    assert (
+        "https://github.com/AMD-AGI/Primus-Turbo" in fetch and "sparse-checkout set --no-cone /primus_turbo/" in fetch
+    )
+    assert '[[ $got != "$commit" ]]' in fetch  # what was fetched is the pinned commit
+
+
+def test_primus_turbo_pins_are_the_commits_the_shared_sources_name():
+    """Each pin is the commit ``shared/primus-turbo/BUILD/SOURCE`` names (where those are here: a
+    fork's runner has only what ci/primus-turbo.sh fetched)."""
+    from real_turbo import loader
+
+    shared = loader.default_sources()
+    if not list(shared.glob("*/SOURCE")):
+        pytest.skip(f"no Primus-Turbo SOURCE files at {shared}")
+    named = {p.parent.name: re.match(r"commit ([0-9a-f]{40})\b", p.read_text())[1] for p in shared.glob("*/SOURCE")}
+    assert primus_turbo_pins() == named
+
+
+def test_the_canary_builds_torchtitan_main_of_2026_08_21():
+    """make test-tt-next installs the shared wheel of TorchTitan main (2026-08-21) where it is
+    there, else that same commit (the one the wheel's README names) from GitHub."""
+    from real_turbo import loader
+
+    makefile = (ROOT / "Makefile").read_text()
+    commit = re.search(r"^TORCHTITAN_NEXT_COMMIT\s*:=\s*([0-9a-f]{40})$", makefile, re.M)[1]
+    assert "git+https://github.com/pytorch/torchtitan@$(TORCHTITAN_NEXT_COMMIT)" in makefile
+    readme = loader.default_sources().parent / "torchtitan-next" / "README.md"
+    if not readme.is_file():
+        pytest.skip(f"no {readme}")
+    assert f"commit `{commit}`" in readme.read_text()

@@ -1,7 +1,9 @@
 """``titan-primus bench --memory`` on a CPU, ``report`` on its JSON, and the memory model it prints.
 
 The audit is titan_primus.memory.audit_layer (its properties: test_memory.py); here, what the
-command measures, writes and derives. Primus-Turbo rows run against the TEST DOUBLE."""
+command measures, writes and derives. Here, without an MI300-class GPU, Primus-Turbo's rows are
+skipped; the audit runs on Primus-Turbo's own code in the real-code tier
+(tests/real_turbo/test_checkpointing_and_memory_audit.py)."""
 
 import io
 import json

@@ -6,7 +6,8 @@ from dataclasses import fields
 
 import pytest
 import torch
-from titan_helpers import build, model_config
+from closeness import assert_sqnr_at_least
+from titan_helpers import build, model_config, token_ids
 from torchtitan.models.common.linear import Linear
 from torchtitan.models.common.moe import GroupedExperts
 from torchtitan.models.common.token_dispatcher import TorchAOTokenDispatcher
@@ -153,7 +154,7 @@ def test_converted_model_builds_runs_and_trains(model):
     fp8 = build(config)
     ref = build(model_config(model))
     assert any(isinstance(m, Fp8Linear) for m in fp8.modules())
-    tokens = torch.randint(0, 2048, (2, 32))
+    tokens = token_ids(2, 32)
     out = fp8(tokens)
     assert torch.isfinite(out).all()
     out.backward(torch.randn_like(out))
@@ -227,3 +228,25 @@ def test_torchtitan_orders_the_converter_as_a_quantization_converter():
     validate_converter_order([Float8Converter.Config(), LoRAConverter.Config()])
     with pytest.raises(ValueError, match="must be applied before LoRAConverter"):
         validate_converter_order([LoRAConverter.Config(), Float8Converter.Config()])
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_the_cpu_attention_swap_attends_causally_over_the_sequence(model):
+    """The CPU launcher's causal SDPA (FlexAttention has no CPU backward) on either token layout:
+    changing the first token changes the last position's logits (it is attended), changing the
+    last one leaves every earlier position's (it is not). Given TorchTitan main's [T, N, H] as
+    (B, L, N, H), SDPA would attend each token to itself only (llama3) or crash."""
+    net = build(model_config(model))
+    tokens = token_ids(1, 16, torch.Generator().manual_seed(5))
+
+    def logits(ids):
+        with torch.no_grad():
+            out = net(ids)
+        return out.reshape(-1, out.shape[-1])  # one row per token, in order, on either layout
+
+    base = logits(tokens)
+    first, last = tokens.clone(), tokens.clone()
+    first.view(-1)[0] = (first.view(-1)[0] + 1) % 2048
+    last.view(-1)[-1] = (last.view(-1)[-1] + 1) % 2048
+    assert tp.sqnr(base[-1], logits(first)[-1]) < 80
+    assert_sqnr_at_least(base[:-1], logits(last)[:-1], 80, "positions before the changed token")

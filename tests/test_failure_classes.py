@@ -18,14 +18,14 @@ from titan_primus.numerics import fp32_bars
 from titan_primus.metrics import sqnr
 from titan_primus.torchtitan import Float8Converter
 
-# (backend, device profile, Primus-Turbo build: tests/real_turbo sets it)
-LINEAR = [("emulated", "cpu", None), ("emulated", "gfx942", None), ("torchao", "cpu", None)]
+# (backend, device profile); Primus-Turbo's rows: tests/real_turbo/test_failure_classes.py.
+LINEAR = [("emulated", "cpu"), ("emulated", "gfx942"), ("torchao", "cpu")]
 GROUPED = [b for b in LINEAR if b[0] != "torchao"]  # TorchAO's grouped GEMM has no CPU kernel
 RECIPES = ["tensorwise", "rowwise"]
 ids = lambda v: str(v)  # noqa: E731
 
 
-def backend_and_recipe(backend, device, version, recipe, monkeypatch):
+def backend_and_recipe(backend, device, recipe):
     impl = tp.registry.get_backend(backend)
     return impl, impl.recipe_for(recipe, tp.device_profile(device))
 
@@ -76,10 +76,10 @@ def _check_accumulated_weight_gradient(recipe, reference, big, accumulated, firs
     assert sqnr(reference, first_only) < bar - 10  # the check can fail
 
 
-@pytest.mark.parametrize("backend, device, version", LINEAR, ids=ids)
+@pytest.mark.parametrize("backend, device", LINEAR, ids=ids)
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_linear_gradient_accumulation_equals_one_big_batch(backend, device, version, recipe, monkeypatch):
-    impl, made = backend_and_recipe(backend, device, version, recipe, monkeypatch)
+def test_linear_gradient_accumulation_equals_one_big_batch(backend, device, recipe):
+    impl, made = backend_and_recipe(backend, device, recipe)
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(128, 256, generator=generator).bfloat16()
     weight = (torch.randn(256, 256, generator=generator) * 0.05).bfloat16()  # dims every backend takes
@@ -131,11 +131,11 @@ def _in_big_batch_order(tensors, counts_per_microbatch):
     return torch.cat(pieces)
 
 
-@pytest.mark.parametrize("backend, device, version", GROUPED, ids=ids)
+@pytest.mark.parametrize("backend, device", GROUPED, ids=ids)
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_grouped_gradient_accumulation_equals_one_big_batch(backend, device, version, recipe, monkeypatch):
+def test_grouped_gradient_accumulation_equals_one_big_batch(backend, device, recipe):
     """Each microbatch routes its tokens its own way (an expert empty in one, not in another)."""
-    impl, made = backend_and_recipe(backend, device, version, recipe, monkeypatch)
+    impl, made = backend_and_recipe(backend, device, recipe)
     routing = [(40, 0, 24, 16), (8, 32, 0, 40), (24, 16, 16, 8)]
     batches, (A, offs, grad_out) = _routed(routing, torch.Generator().manual_seed(1), trailing=8)
     weight = (torch.randn(4, 256, 256, generator=torch.Generator().manual_seed(2)) * 0.05).bfloat16()
@@ -181,19 +181,17 @@ def _poison_the_allocator(rows: int, cols: int) -> None:
         del garbage
 
 
-@pytest.mark.parametrize("backend, device, version", GROUPED, ids=ids)
+@pytest.mark.parametrize("backend, device", GROUPED, ids=ids)
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_rows_past_the_routed_tokens_and_idle_experts_get_exact_zeros_after_any_routing(
     backend,
     device,
-    version,
     recipe,
-    monkeypatch,
 ):
     """Output and grad_A rows past offs[-1], and the weight gradient of experts that got no
     token, are exactly zero, also after a step with a different routing; a step's results do
     not depend on the step before."""
-    impl, made = backend_and_recipe(backend, device, version, recipe, monkeypatch)
+    impl, made = backend_and_recipe(backend, device, recipe)
     generator = torch.Generator().manual_seed(3)
     weight = (torch.randn(4, 256, 256, generator=generator) * 0.05).bfloat16()
     (first,), _ = _routed([(64, 32, 48, 16)], generator, trailing=0)
@@ -215,10 +213,10 @@ def test_rows_past_the_routed_tokens_and_idle_experts_get_exact_zeros_after_any_
 # --- determinism ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("backend, device, version", LINEAR, ids=ids)
+@pytest.mark.parametrize("backend, device", LINEAR, ids=ids)
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_two_identical_steps_give_identical_results(backend, device, version, recipe, monkeypatch):
-    impl, made = backend_and_recipe(backend, device, version, recipe, monkeypatch)
+def test_two_identical_steps_give_identical_results(backend, device, recipe):
+    impl, made = backend_and_recipe(backend, device, recipe)
     generator = torch.Generator().manual_seed(4)
     x = torch.randn(96, 256, generator=generator).bfloat16()
     weight = (torch.randn(256, 256, generator=generator) * 0.05).bfloat16()

@@ -64,22 +64,25 @@ def test_padding_changes_no_result():
 
 
 # Primus-Turbo's: tests/real_turbo/test_routing.py, on its own code.
-BACKENDS = [("emulated", "cpu"), ("torchao", "cpu")]
+# (backend, device): the (K, N) of LINEAR_DIMS it must accept (TorchAO's _scaled_mm: K and N
+# multiples of 16; the emulation: any); the rest it must refuse.
+LINEAR_DIMS = DIMS + [(256, 16), (512, 32)]
+ACCEPTED = {
+    ("emulated", "cpu"): LINEAR_DIMS,
+    ("torchao", "cpu"): [(32, 48), (256, 16), (512, 32)],
+}
 
 
-@pytest.mark.parametrize("backend, device", BACKENDS, ids=lambda v: str(v))
+@pytest.mark.parametrize("backend, device", list(ACCEPTED), ids=lambda v: str(v))
 def test_every_linear_shape_a_backend_accepts_runs(backend, device):
-    accepted = 0
-    for k, n in DIMS + [(256, 16), (512, 32)]:
-        if not supported("linear", backend, device, k, n):
-            continue
-        accepted += 1
+    accepted = [(k, n) for k, n in LINEAR_DIMS if supported("linear", backend, device, k, n)]
+    assert accepted == ACCEPTED[backend, device]
+    for k, n in accepted:
         x, w, g = torch.randn(16, k, dtype=torch.bfloat16), torch.randn(n, k) * 0.1, torch.randn(16, n)
         out, grad_x, grad_w, _ = run_linear(
             lambda x, w, b: tp.fp8_linear(x, w, b, backend=backend, device=device), x, w, None, g
         )
         assert all(torch.isfinite(t).all() for t in (out, grad_x, grad_w)), (k, n)
-    assert accepted
 
 
 @pytest.mark.parametrize("dim, hidden_dim", [(20, 12), (36, 44), (15, 17)])

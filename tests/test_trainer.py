@@ -3,6 +3,7 @@
 import re
 
 import pytest
+from closeness import assert_losses_within
 from titan_helpers import run_trainer
 
 pytestmark = pytest.mark.trainer
@@ -18,8 +19,7 @@ def test_fp8_training_tracks_bf16_and_learns(tmp_path):
     fp8, log = run_trainer("titan_primus", "llama3_debugmodel_fp8", tmp_path / "fp8", 6)
     ref, ref_log = run_trainer("llama3", "llama3_debugmodel", tmp_path / "ref", 6)
     assert sorted(fp8) == sorted(ref) == list(range(1, 7))
-    for step in ref:
-        assert abs(fp8[step] - ref[step]) <= 0.02 * ref[step], (step, fp8[step], ref[step])
+    assert_losses_within(fp8, ref, 0.02)
     assert fp8[6] < fp8[1] - 0.5
     assert "titan-primus FP8 routing on CPU" in log
     assert "linears: 31 -> emulated (rowwise (torchao definition, e4m3fn)" in log

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 import re
 import subprocess
 import sys
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -16,7 +20,8 @@ sys.path.insert(0, str(EXAMPLES))
 
 # The CPU launcher's attention swap (FlexAttention has no CPU backward), reused for models
 # built in-process. Importing it also points TorchTitan's device helpers at the CPU.
-from cpu_launch import use_causal_sdpa  # noqa: E402
+# trainer_flags: the flags for a run's size and data on TorchTitan 0.3.0 or main (2026-08-21).
+from cpu_launch import TOKENS_1D, trainer_flags, use_causal_sdpa  # noqa: E402
 
 MODEL_REGISTRIES = {
     "llama3": "torchtitan.models.llama3",
@@ -43,6 +48,13 @@ def model_config(model: str, flavor: str = "debugmodel", converters=None):
     return config
 
 
+def token_ids(batch: int, seq_len: int, generator: torch.Generator | None = None, vocab: int = 2048) -> torch.Tensor:
+    """Random token ids for a model's forward: ``(batch, seq_len)`` on TorchTitan 0.3.0, the same ids
+    1-D on TorchTitan main (2026-08-21), whose models take ``[T]`` tokens (PR #4121)."""
+    tokens = torch.randint(0, vocab, (batch, seq_len), generator=generator)
+    return tokens.flatten() if TOKENS_1D else tokens
+
+
 def build(config, seed: int = 0):
     """Build on the meta device, materialise on the CPU and initialise, as the trainer does."""
     with torch.device("meta"):
@@ -52,6 +64,27 @@ def build(config, seed: int = 0):
     torch.manual_seed(seed)
     model.init_states()
     return model
+
+
+_ONCE: dict[str, dict] = {}
+
+
+def once_per_session(name: str, make: Callable[[], dict[int, float]]) -> dict[int, float]:
+    """``make()`` ({step: loss}) run once per pytest session, whichever xdist worker asks first (the
+    others wait on a file lock and read its result): a trainer run that several tests compare
+    against. (xdist_group cannot do it here: pytest-xdist 3.8 under pytest 9.2 leaves the mark
+    unused, so grouped tests still go to different workers.)"""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # one per session, the same in every worker
+    if run is None:
+        if name not in _ONCE:
+            _ONCE[name] = make()
+        return _ONCE[name]
+    path = Path(tempfile.gettempdir()) / f"titan-primus-{run}-{name}.json"
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.exists():
+            path.write_text(json.dumps(make()))
+    return {int(step): loss for step, loss in json.loads(path.read_text()).items()}
 
 
 LOSS = re.compile(r"step:\s*(\d+)\s.*?loss:\s*([0-9.]+)")
@@ -69,8 +102,8 @@ def run_trainer(
     env: dict | None = None,
     expect_failure: bool = False,
 ) -> tuple[dict[int, float], str]:
-    """Run TorchTitan's real trainer through the CPU launcher (``nproc`` ranks, gloo);
-    returns ({step: loss}, log)."""
+    """Run TorchTitan's real trainer through the CPU launcher (``nproc`` ranks, gloo), ``batch``
+    sequences of ``seq_len`` tokens per rank and step; returns ({step: loss}, log)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     cmd = [
         sys.executable,
@@ -85,14 +118,9 @@ def run_trainer(
         config,
         "--hf_assets_path",
         str(EXAMPLES / "assets" / "tokenizer"),
-        "--dataloader.dataset_path",
-        str(EXAMPLES / "assets" / "corpus"),
+        *trainer_flags(seq_len, batch, EXAMPLES / "assets" / "corpus"),
         "--training.steps",
         str(steps),
-        "--training.seq_len",
-        str(seq_len),
-        "--training.local_batch_size",
-        str(batch),
         "--dump_folder",
         str(dump),
         "--metrics.log_freq",

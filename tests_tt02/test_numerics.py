@@ -4,19 +4,20 @@ The 0.3 path is the shared core: the 0.3 adapter's modules call the same backend
 recipes that ``titan_primus.fp8_linear`` and ``titan_primus.fp8_grouped_mm`` route to, on the
 operands TorchTitan 0.3's ``GroupedExperts.forward`` passes (bf16 A, transposed bf16 weights,
 int32 end offsets). TorchTitan 0.3 cannot be installed beside 0.2, so those public ops stand in
-for it here: forward outputs and every gradient must agree to >= 40 dB.
+for it here. Both sides run the same backend code on the same bits, so forward outputs and every
+gradient must be bitwise equal (and finite); but for blockwise experts with padded token groups,
+where padding changes the shapes of the block GEMMs and so their fp32 accumulation order.
 """
 
 import pytest
 import torch
 import torch.nn.functional as F
 import torchtitan.models.moe.utils as moe_utils
+from closeness import assert_bitwise, assert_sqnr_at_least
 from tt02_helpers import convert, materialize, meta_model
 
 import titan_primus as tp
 from titan_primus.torchtitan02 import Fp8GroupedExperts, Fp8Linear
-
-MIN_DB = 40.0
 
 # (backend, device profile, recipe): the emulation under both recipe definitions (torchao on
 # cpu, Primus-Turbo's on MI300-class profiles); Primus-Turbo itself: tests_tt02/real_turbo.
@@ -32,6 +33,10 @@ CASES = [
     ("emulated", "gfx942", "blockwise"),
 ]
 
+# Blockwise experts on padded token groups against the ragged shared op: fp32 accumulation order
+# only (measured 2026-12-01: output 138 dB, grad_input 173 dB).
+PADDED_BLOCKWISE_MIN_DB = 100.0
+
 # Unaligned groups, empty groups (first, middle, last): what TorchTitan's router hands experts.
 TOKENS_PER_EXPERT = [0, 5, 17, 0, 3, 9, 13, 0]
 
@@ -44,11 +49,6 @@ def converted_module(model_name: str, fqn: str, backend: str, device: str, recip
 
 def leaf(t: torch.Tensor) -> torch.Tensor:
     return t.detach().clone().requires_grad_(True)
-
-
-def assert_close_db(reference: torch.Tensor, actual: torch.Tensor, what: str) -> None:
-    db = tp.sqnr(reference, actual)
-    assert db >= MIN_DB, f"{what}: {db:.1f} dB"
 
 
 @pytest.mark.parametrize("backend, device, recipe", CASES)
@@ -66,9 +66,9 @@ def test_fp8_linear_matches_the_shared_op(backend, device, recipe):
     ref = tp.fp8_linear(x2, w2, None, recipe=recipe, backend=backend, device=device)
     ref.backward(grad_out)
 
-    assert_close_db(ref, out, "output")
-    assert_close_db(x2.grad, x1.grad, "grad_input")
-    assert_close_db(w2.grad, module.weight.grad, "grad_weight")
+    assert_bitwise(ref, out, "output")
+    assert_bitwise(x2.grad, x1.grad, "grad_input")
+    assert_bitwise(w2.grad, module.weight.grad, "grad_weight")
 
 
 def reference_experts(x, w1, w2, w3, offs, **op):
@@ -85,7 +85,8 @@ def reference_experts(x, w1, w2, w3, offs, **op):
 @pytest.mark.parametrize("backend, device, recipe", CASES)
 def test_fp8_experts_match_the_shared_op(backend, device, recipe, pad_token_groups):
     """Ragged groups, as routed for the emulation and Primus-Turbo; padded to 16, as routed for
-    TorchAO (forced here, since TorchAO's grouped GEMM has no CPU kernel): padding is exact."""
+    TorchAO (forced here, since TorchAO's grouped GEMM has no CPU kernel): padding is exact (bitwise
+    but for blockwise: PADDED_BLOCKWISE_MIN_DB)."""
     experts = converted_module("deepseek_v3", "layers.1.moe.experts", backend, device, recipe)
     assert isinstance(experts, Fp8GroupedExperts)
     if pad_token_groups:
@@ -104,7 +105,13 @@ def test_fp8_experts_match_the_shared_op(backend, device, recipe, pad_token_grou
     ref = reference_experts(x2, w1, w2, w3, offs, recipe=recipe, backend=backend, device=device)
     ref.backward(grad_out)
 
-    assert_close_db(ref, out, "output")
-    assert_close_db(x2.grad, x1.grad, "grad_input")
+    def check(expected, actual, what):
+        if pad_token_groups and recipe == "blockwise":
+            assert_sqnr_at_least(expected, actual, PADDED_BLOCKWISE_MIN_DB, what)
+        else:
+            assert_bitwise(expected, actual, what)
+
+    check(ref, out, "output")
+    check(x2.grad, x1.grad, "grad_input")
     for name, w in (("w1", w1), ("w2", w2), ("w3", w3)):
-        assert_close_db(w.grad, getattr(experts, name).grad, f"grad {name}")
+        check(w.grad, getattr(experts, name).grad, f"grad {name}")

@@ -3,6 +3,7 @@
 import re
 
 import pytest
+from closeness import assert_losses_within
 from tt02_helpers import EXAMPLES, run_trainer, stock_toml
 
 pytestmark = pytest.mark.trainer
@@ -18,8 +19,7 @@ def test_fp8_training_tracks_high_precision_and_learns(toml, steps, tmp_path):
     fp8, log = run_trainer(toml, tmp_path / "fp8", steps)
     ref, _ = run_trainer(stock_toml(toml, tmp_path), tmp_path / "ref", steps)
     assert sorted(fp8) == sorted(ref) == list(range(1, steps + 1))
-    for step in ref:
-        assert abs(fp8[step] - ref[step]) <= 0.02 * ref[step], (step, fp8[step], ref[step])
+    assert_losses_within(fp8, ref, 0.02)
     assert fp8[steps] < fp8[1] - 0.5
     assert "titan-primus FP8 routing on CPU" in log
     assert "linears: 43 -> emulated (rowwise (torchao definition, e4m3fn)" in log

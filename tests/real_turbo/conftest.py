@@ -11,7 +11,8 @@ architecture, with
   beside the repository (or beside the nearest folder above it that has one);
 - ``TRITON_INTERPRET=1``, set before Triton is imported.
 
-Where the sources are absent every test here is skipped with that reason.
+Where the sources are absent every test here is skipped with that reason; with ``CI`` set, pytest
+stops instead, naming the variable and the folder, and a run in which no test ran exits 5.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from real_turbo import loader
 
 BUILD = os.environ.get("TITAN_PRIMUS_TURBO_BUILD", "")
 ARCH = os.environ.get("TITAN_PRIMUS_TURBO_ARCH", "gfx942")
+loader.require_sources_on_ci()
 TURBO, _ = loader.from_environment()
 
 # The recipes Primus-Turbo's own code runs under the interpreter. Its mxfp8 path (gfx950, from
@@ -47,6 +49,8 @@ one_arch = pytest.mark.skipif(
 
 pytest_report_header = loader.report_header
 pytest_collection_modifyitems = loader.skip_without_sources
+pytest_runtest_logreport = loader.count_executed
+pytest_sessionfinish = loader.fail_when_nothing_ran
 
 
 @pytest.fixture

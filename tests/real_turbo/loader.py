@@ -170,6 +170,25 @@ def load(source: Path, arch: str):
     return turbo
 
 
+def on_ci() -> bool:
+    """``CI`` is set (GitHub Actions and most CI services set ``CI=true``; so does ci/cpu.sh)."""
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def require_sources_on_ci() -> None:
+    """At a tier conftest's import: with ``CI`` set, a tier that cannot import its Primus-Turbo
+    build stops pytest with the reason (variable and folder), instead of skipping every test and
+    passing: CI that skips the tier proves nothing the README claims of Primus-Turbo."""
+    turbo, why_not = from_environment()
+    if turbo is None and on_ci():
+        import pytest
+
+        raise pytest.UsageError(
+            f"Primus-Turbo real-code tier: {why_not}. CI is set, so the tier fails instead of skipping "
+            f"(ci/primus-turbo.sh fetches the builds; docs/ci.md)"
+        )
+
+
 def report_header(config) -> str:
     """``pytest_report_header`` of a tier folder: what it runs, or why it is skipped."""
     turbo, why_not = from_environment()
@@ -181,10 +200,31 @@ def report_header(config) -> str:
 
 def skip_without_sources(config, items) -> None:
     """``pytest_collection_modifyitems`` of a tier folder: every test skipped, with the reason,
-    where the environment names no usable build."""
+    where the environment names no usable build (never with ``CI`` set: require_sources_on_ci)."""
     import pytest
 
     turbo, why_not = from_environment()
     if turbo is None:
         for item in items:
             item.add_marker(pytest.mark.skip(reason=why_not))
+
+
+_executed = []
+
+
+def count_executed(report) -> None:
+    """``pytest_runtest_logreport`` of a tier folder: the tests whose body ran (passed or failed)."""
+    if report.when == "call" and not report.skipped:
+        _executed.append(report.nodeid)
+
+
+def fail_when_nothing_ran(session, exitstatus) -> None:
+    """``pytest_sessionfinish`` of a tier folder: with ``CI`` set, a tier run in which no test ran
+    (every one skipped or deselected) exits 5, pytest's "no tests collected", instead of 0."""
+    import pytest
+
+    if on_ci() and exitstatus == pytest.ExitCode.OK and not _executed and not hasattr(session.config, "workerinput"):
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line("Primus-Turbo real-code tier: no test ran; with CI set that is a failure", red=True)
+        session.exitstatus = pytest.ExitCode.NO_TESTS_COLLECTED

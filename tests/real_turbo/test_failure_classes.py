@@ -13,7 +13,7 @@ from titan_primus import sentinel
 from titan_primus.sentinel import SentinelOptions, WatchedBackend
 
 RECIPES = ["tensorwise", "rowwise"]
-CASE = ("primus_turbo", ARCH, None)
+CASE = ("primus_turbo", ARCH)
 
 
 FAILURE_CLASSES = [
@@ -26,8 +26,8 @@ FAILURE_CLASSES = [
 
 @pytest.mark.parametrize("failure_class", FAILURE_CLASSES, ids=lambda f: f.__name__.removeprefix("test_"))
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_failure_class(failure_class, recipe, monkeypatch):
-    failure_class(*CASE, recipe, monkeypatch)
+def test_failure_class(failure_class, recipe):
+    failure_class(*CASE, recipe)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
