@@ -1,0 +1,127 @@
+"""``titan-primus validate`` on TorchTitan 0.2.x: the same runs, verdicts and JSON as on 0.3, the
+trainer launched with the job's TOML (``--job.config_file``) through examples/torchtitan02/cpu_launch.py.
+One quick run is shared by the module."""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from titan_primus.cli.report import load_document
+from titan_primus.cli.validate import conclude
+
+ROOT = Path(__file__).resolve().parent.parent
+QUICK_STEPS = 20
+TOML = "examples/torchtitan02/llama3_debug_fp8.toml"
+pytestmark = pytest.mark.trainer
+
+
+def _validate(*args: str) -> subprocess.CompletedProcess:
+    # The CPU run, on a GPU machine too (ci/mi300x-image.sh runs this suite there): GPUs hidden.
+    hidden = {"CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": ""}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **hidden}
+    cmd = [sys.executable, "-m", "titan_primus.cli", "validate", "--quick", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    """One `validate --quick` run: (exit code, Markdown, JSON path, document)."""
+    path = tmp_path_factory.mktemp("validate") / "validate-quick.json"
+    proc = _validate("--json", str(path))
+    assert path.exists(), proc.stdout + proc.stderr[-4000:]
+    return proc.returncode, proc.stdout, path, load_document(str(path))
+
+
+def _conclude(doc: dict, baseline: dict) -> dict:
+    """The verdicts of the run's document (as it was before its summary) against ``baseline``."""
+    fresh = copy.deepcopy(doc)
+    for result in fresh["results"]:
+        result["verdicts"] = [v for v in result["verdicts"] if "baseline" not in v["name"]]
+    s = doc["settings"]
+    return conclude(fresh, baseline, "baseline.json", s["last_bit_factor"], s["tps_tolerance"], s["memory_tolerance"])
+
+
+def test_quick_run_passes_and_records_every_step(quick):
+    code, markdown, _, doc = quick
+    assert code == 0, markdown
+    assert doc["summary"]["status"] == "pass" and doc["environment"]["versions"]["torchtitan"].startswith("0.2.")
+    (result,) = doc["results"]
+    assert result["config"] == result["fp8_config"] == TOML and result["module"] == "llama3"
+    runs = result["runs"]
+    assert set(runs) == {"bf16", "fp8", "seed_floor", "last_bit_floor"}
+    for role, run in runs.items():
+        assert [s["step"] for s in run["steps"]] == list(range(1, QUICK_STEPS + 1)), role
+        assert all(s["tps"] > 0 and s["memory_bytes"] > 0 and s["grad_norm"] > 0 for s in run["steps"]), role
+        assert "--job.config_file" in run["command"] and "torch.distributed.run" in run["command"], role
+    # The TOML names titan-primus's converter: the bf16 runs train without it, the FP8 runs with it.
+    assert runs["bf16"]["routing"] is None and runs["seed_floor"]["routing"] is None
+    assert "titan-primus FP8 routing" in result["routing"] and "emulated" in result["routing"]
+    assert runs["fp8"]["steps"][0]["loss"] != runs["bf16"]["steps"][0]["loss"]
+    assert runs["last_bit_floor"]["last_bit_flipped"] > 0 and "last_bit_flipped" not in runs["fp8"]
+    seed, last_bit = result["floors"]["seed"], result["floors"]["last_bit"]
+    assert 0 < last_bit["curve"] < seed["curve"] / 5, result["floors"]
+
+
+def test_against_its_own_json_passes(quick):
+    _, _, path, doc = quick
+    judged = _conclude(doc, load_document(str(path)))
+    assert judged["summary"]["status"] == "pass", judged["summary"]
+    assert judged["baseline"]["stack_differences"] == []
+
+
+def test_a_baseline_with_5_percent_lower_losses_fails_on_the_loss(quick):
+    _, _, _, doc = quick
+    lower = copy.deepcopy(doc)
+    for run in lower["results"][0]["runs"].values():
+        for step in run["steps"]:
+            step["loss"] *= 0.95
+    judged = _conclude(doc, lower)
+    assert judged["summary"]["status"] == "fail"
+    failed = judged["summary"]["failed_verdicts"]
+    assert f"{TOML}: fp8 loss vs baseline" in failed and f"{TOML}: bf16 loss vs baseline" in failed, failed
+    assert not any("tokens/s" in f or "memory" in f for f in failed), failed
+    text = next(v["text"] for v in judged["results"][0]["verdicts"] if v["name"] == "fp8 loss vs baseline")
+    assert "5.26%" in text and "last-bit floor" in text, text
+
+
+def test_a_config_that_is_not_a_toml_file_is_one_line(capsys):
+    from titan_primus import cli
+
+    for argv, expected in (
+        (["validate", "--config", "llama3_debugmodel"], "on TorchTitan 0.2.x, --config is the job's TOML file"),
+        (["validate", "--module", "deepseek_v3", "--config", TOML], f"{TOML} trains model 'llama3'"),
+    ):
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and expected in err, err
+
+
+def test_the_mi300x_job_validates_a_toml_this_line_takes():
+    """ci/mi300x-image.sh's validate step (a GPU, no --quick): its arguments parse, its TOML is the
+    0.2.x job's, and the FP8 runs get the converter's options, the bf16 runs none of them."""
+    import shlex
+
+    from titan_primus.cli import build_parser
+    from titan_primus.cli.validate import plans
+    from titan_primus.cli.validate_lines import CONVERTER_ENV, Line02
+
+    script = (ROOT / "ci" / "mi300x-image.sh").read_text().splitlines()
+    (line,) = [s for s in script if "ci/validate.sh" in s and not s.startswith("#")]
+    name, *argv = shlex.split(line[line.index("ci/validate.sh") :])[1:]
+    assert name == "mi300x"
+    args = build_parser().parse_args(["validate", *argv])
+    trainer = Line02()
+    (plan,) = plans(args, on_gpu=True, line=trainer)
+    assert (plan.module, plan.config, plan.steps, plan.seq_len) == ("llama3", TOML, 300, None)
+    fp8 = trainer.trainer_args(plan, True, 42, Path("dump"), on_gpu=True)
+    bf16 = trainer.trainer_args(plan, False, 42, Path("dump"), on_gpu=True)
+    assert fp8[fp8.index("--job.config_file") + 1] == str(ROOT / TOML)
+    assert "--titan_primus.recipe" in fp8 and "--titan_primus.recipe" not in bf16
+    assert "--model.hf_assets_path" in fp8  # the debug model trains on the shipped tokenizer there too
+    assert trainer.run_env(True) == {CONVERTER_ENV: "on"} and trainer.run_env(False) == {CONVERTER_ENV: "off"}
