@@ -125,3 +125,32 @@ def test_the_mi300x_job_validates_a_toml_this_line_takes():
     assert "--titan_primus.recipe" in fp8 and "--titan_primus.recipe" not in bf16
     assert "--model.hf_assets_path" in fp8  # the debug model trains on the shipped tokenizer there too
     assert trainer.run_env(True) == {CONVERTER_ENV: "on"} and trainer.run_env(False) == {CONVERTER_ENV: "off"}
+
+
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
+def test_a_stock_toml_gets_the_converter_in_the_fp8_runs_only(fp8, tmp_path, monkeypatch):
+    """The job's TOML may name titan-primus or not: the FP8 runs train with its converter (the
+    recipe validate was given), the bf16 runs without it; the TOML's other converters stay."""
+    from torchtitan.config import ConfigManager
+
+    from titan_primus.cli.validate import ConfigPlan
+    from titan_primus.cli.validate_lines import CONVERTER_ENV, Line02
+
+    text = (ROOT / TOML).read_text()
+    start, end = text.index("\n[titan_primus]"), text.index("\n[optimizer]")
+    text = text[:start] + text[end:]
+    for line in [s for s in text.splitlines() if "titan_primus" in s]:
+        text = text.replace(line, 'converters = ["another"]' if line.startswith("converters") else "")
+    stock = tmp_path / "stock.toml"
+    stock.write_text(text)
+    assert "titan_primus" not in text
+    line = Line02()
+    plan = ConfigPlan("llama3", str(stock), 3, 128, 2, "tensorwise")
+    plan.fp8_config = line.fp8_config(plan)
+    monkeypatch.setattr(ConfigManager, "parse_args", ConfigManager.parse_args)  # restored afterwards
+    monkeypatch.setenv(CONVERTER_ENV, line.run_env(fp8)[CONVERTER_ENV])
+    line.install_hooks(lambda entry: None, lambda model: 0, metrics=False, last_bit=False)
+    config = ConfigManager().parse_args(line.trainer_args(plan, fp8, 42, tmp_path / "dump", on_gpu=False))
+    assert config.model.converters == (["another", "titan_primus.float8"] if fp8 else ["another"])
+    assert config.titan_primus.recipe == ("tensorwise" if fp8 else "rowwise")
+    assert config.training.steps == 3 and config.debug.seed == 42 and not config.checkpoint.enable
