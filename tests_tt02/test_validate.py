@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import corrupt_backend  # tests/ (conftest puts it on the path)
 import pytest
 
 from titan_primus.cli.report import load_document
@@ -21,10 +22,10 @@ TOML = "examples/torchtitan02/llama3_debug_fp8.toml"
 pytestmark = pytest.mark.trainer
 
 
-def _validate(*args: str) -> subprocess.CompletedProcess:
+def _validate(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     # The CPU run, on a GPU machine too (ci/mi300x-image.sh runs this suite there): GPUs hidden.
     hidden = {"CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": ""}
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **hidden}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **hidden, **(env or {})}
     cmd = [sys.executable, "-m", "titan_primus.cli", "validate", "--quick", *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
 
@@ -154,3 +155,22 @@ def test_a_stock_toml_gets_the_converter_in_the_fp8_runs_only(fp8, tmp_path, mon
     assert config.model.converters == (["another", "titan_primus.float8"] if fp8 else ["another"])
     assert config.titan_primus.recipe == ("tensorwise" if fp8 else "rowwise")
     assert config.training.steps == 3 and config.debug.seed == 42 and not config.checkpoint.enable
+
+
+def test_a_corrupted_backend_fails_the_convergence_verdict(tmp_path):
+    """The FP8 runs of the 0.2.x trainer go through the backend routing picks: one made wrong from
+    step 8 on (tests/corrupt_backend.py) fails FP8's curve against bf16."""
+    corrupt_backend.write_entry_point(tmp_path)
+    env = {
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(Path(corrupt_backend.__file__).parent), str(tmp_path)]),
+        "TITAN_PRIMUS_BACKEND": "corrupted",
+        corrupt_backend.ENV: "rows:8",
+        "TITAN_PRIMUS_DISABLE_PLUGIN_AUTOLOAD": "",  # conftest turns plugins off; this one is the point
+    }
+    path = tmp_path / "corrupted.json"
+    proc = _validate("--json", str(path), env=env)
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-4000:]
+    doc = load_document(str(path))
+    assert "-> corrupted" in (doc["results"][0]["routing"] or ""), proc.stdout
+    failed = doc["summary"]["failed_verdicts"]
+    assert f"{TOML}: fp8 loss curve vs bf16" in failed and f"{TOML}: runs complete" not in failed, failed
