@@ -5,7 +5,8 @@
 # adapter (the line AMD Primus pins): the image's own builds become pip constraints, so pip refuses
 # a requirement they do not meet instead of replacing them, and afterwards every one of them must
 # still be there, unchanged. Then the mi300-marked tests, the TorchTitan 0.2.x suite on the image's
-# stack and the parity gate with Primus-Turbo required (ci/gate.sh). Results go to $ARTIFACTS
+# stack, the parity gate with Primus-Turbo required (ci/gate.sh) and the upgrade gate on TorchTitan
+# 0.2.x's trainer (ci/validate.sh: validate-mi300x.json, .md, .png). Results go to $ARTIFACTS
 # (default artifacts/mi300x in the checkout). Every step after the install runs; the script fails at
 # the end if any did.
 set -euo pipefail
@@ -40,4 +41,6 @@ step "mi300-marked tests (real Primus-Turbo kernels)" \
     python -m pytest -q -m mi300 tests/test_mi300_*.py
 step "the TorchTitan 0.2.x suite on the image's stack" python -m pytest -q tests_tt02
 step "parity gate, Primus-Turbo required" ci/gate.sh mi300x --require primus_turbo --compile
+step "validate (FP8 vs bf16 on TorchTitan 0.2.x's trainer)" \
+    ci/validate.sh mi300x --config examples/torchtitan02/llama3_debug_fp8.toml --steps 300
 finish

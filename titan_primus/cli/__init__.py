@@ -146,10 +146,13 @@ def _add_validate(commands) -> None:
         "and, with --baseline, losses, tokens/s and memory against an earlier validate JSON (docs/validate.md). "
         "Arguments after -- go to TorchTitan's trainer.",
     )
-    validate.add_argument("--module", help="stock TorchTitan model of the config (llama3, deepseek_v3, qwen3)")
+    validate.add_argument(
+        "--module", help="stock TorchTitan model of the config (llama3, deepseek_v3, qwen3); optional on 0.2.x"
+    )
     validate.add_argument(
         "--config",
-        help="stock TorchTitan config (e.g. llama3_8b); FP8 runs its titan_primus _fp8 twin. "
+        help="stock TorchTitan config (e.g. llama3_8b); FP8 runs its titan_primus _fp8 twin. On TorchTitan 0.2.x: "
+        "the job's TOML file, FP8 runs it with titan-primus's converter. "
         "Default on a CPU: llama3 and deepseek_v3 debug models on the shipped corpus",
     )
     validate.add_argument("--quick", action="store_true", help="on a CPU: llama3 debug, 20 steps (minutes)")

@@ -34,25 +34,22 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .validate_lines import TrainerLine, trainer_line
 from .validate_verdicts import Verdict, curve_gaps, finite_problems, grad_norm_spikes, median_tps, peak_memory
 
 __all__ = ["ConfigPlan", "ROLES", "command", "compare_with_baseline", "conclude", "judge", "plans"]
 
 ROLES = ("bf16", "fp8", "seed_floor", "last_bit_floor")
 REPO = Path(__file__).resolve().parents[2]
-CPU_LAUNCHER = REPO / "examples" / "cpu_launch.py"
-ASSETS = REPO / "examples" / "assets"
 LAUNCH_SCRIPT = Path(__file__).resolve().with_name("validate_launch.py")
 
-# CPU defaults: (stock module, stock config, steps); measured in docs/measurements.md.
-CPU_DEFAULT = [("llama3", "llama3_debugmodel", 200), ("deepseek_v3", "deepseek_v3_debugmodel", 50)]
-CPU_QUICK = [("llama3", "llama3_debugmodel", 20)]
+# CPU defaults (the configs and steps are the line's: validate_lines.py).
 CPU_SEQ_LEN, CPU_QUICK_SEQ_LEN, CPU_BATCH = 256, 128, 2
 
 
 @dataclass
 class ConfigPlan:
-    """One config's four runs."""
+    """One config's four runs (``config``: on 0.3 a config name, on 0.2.x the job's TOML)."""
 
     module: str
     config: str
@@ -61,53 +58,40 @@ class ConfigPlan:
     batch: int | None
     recipe: str
     overrides: list[str] = field(default_factory=list)
-
-    @property
-    def fp8_config(self) -> str:
-        return f"{self.config}_fp8" + ("" if self.recipe == "rowwise" else f"_{self.recipe}")
+    fp8_config: str = ""
 
 
-def plans(args, on_gpu: bool) -> list[ConfigPlan]:
+def plans(args, on_gpu: bool, line: TrainerLine) -> list[ConfigPlan]:
     overrides = list(args.overrides or [])
     if overrides and overrides[0] == "--":
         overrides = overrides[1:]
     if args.config:
-        if not args.module:
-            raise ValueError("--config needs --module (the stock TorchTitan model, e.g. --module llama3)")
-        defaults = [(args.module, args.config, None)]
+        defaults = [(line.check_plan(args.module, args.config), args.config, None)]
     elif on_gpu:
-        raise ValueError(
-            "on a GPU, name the config to validate: --module llama3 --config llama3_8b (see docs/validate.md)"
-        )
+        raise ValueError(f"on a GPU, name the config to validate: {line.config_example} (see docs/validate.md)")
     else:
-        defaults = CPU_QUICK if args.quick else CPU_DEFAULT
+        defaults = line.cpu_quick if args.quick else line.cpu_default
     seq_len = args.seq_len or (None if on_gpu else CPU_QUICK_SEQ_LEN if args.quick else CPU_SEQ_LEN)
     batch = args.batch or (None if on_gpu else CPU_BATCH)
-    return [
+    configs = [
         ConfigPlan(module, config, args.steps or steps, seq_len, batch, args.recipe, overrides)
         for module, config, steps in defaults
     ]
+    for plan in configs:
+        plan.fp8_config = line.fp8_config(plan)
+    return configs
 
 
 # --- running the trainer --------------------------------------------------------------------
 
 
-def _trainer_command(plan: ConfigPlan, role: str, seed: int, nproc: int, dump: Path, on_gpu: bool) -> list[str]:
-    fp8 = role in ("fp8", "last_bit_floor")
+def _fp8(role: str) -> bool:
+    return role in ("fp8", "last_bit_floor")
+
+
+def _trainer_command(line, plan: ConfigPlan, role: str, seed: int, nproc: int, dump: Path, on_gpu: bool) -> list[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    cmd += [str(LAUNCH_SCRIPT), "--module", "titan_primus" if fp8 else plan.module]
-    cmd += ["--config", plan.fp8_config if fp8 else plan.config]
-    if not on_gpu or "debug" in plan.config:  # the debug models train on the shipped tokenizer and corpus
-        cmd += ["--hf_assets_path", str(ASSETS / "tokenizer"), "--dataloader.dataset_path", str(ASSETS / "corpus")]
-    if plan.steps:
-        cmd += ["--training.steps", str(plan.steps)]
-    if plan.seq_len:
-        cmd += ["--training.seq_len", str(plan.seq_len)]
-    if plan.batch:
-        cmd += ["--training.local_batch_size", str(plan.batch)]
-    cmd += ["--debug.seed", str(seed), "--metrics.log_freq", "1", "--checkpoint.no-enable", "--validator.no-enable"]
-    cmd += ["--dump_folder", str(dump), *plan.overrides]
-    return cmd
+    return [*cmd, str(LAUNCH_SCRIPT), *line.trainer_args(plan, _fp8(role), seed, dump, on_gpu), *plan.overrides]
 
 
 def _read_new(path: Path, offset: int) -> tuple[list[dict], int]:
@@ -135,23 +119,27 @@ def _take(run: dict, metrics: Path, offset: int, bar) -> int:
     return offset
 
 
-def run_trainer(plan: ConfigPlan, role: str, seed: int, nproc: int, work: Path, on_gpu: bool) -> dict:
+def run_trainer(line, plan: ConfigPlan, role: str, seed: int, nproc: int, work: Path, on_gpu: bool) -> dict:
     """One trainer run; its per-step records, routing summary, command and wall time."""
     from tqdm import tqdm
 
-    tag = f"{plan.config}-{role}"
+    tag = f"{Path(plan.config).stem}-{role}"
     metrics, log_path = work / f"{tag}.metrics.jsonl", work / f"{tag}.log"
     metrics.unlink(missing_ok=True)
-    cmd = _trainer_command(plan, role, seed, nproc, work / tag, on_gpu)
+    cmd = _trainer_command(line, plan, role, seed, nproc, work / tag, on_gpu)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TITAN_PRIMUS_VALIDATE_METRICS": str(metrics)}
+    env.update(line.run_env(_fp8(role)))
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     if role == "last_bit_floor":
         env["TITAN_PRIMUS_VALIDATE_LAST_BIT"] = "1"
     if not on_gpu:
-        env["TITAN_PRIMUS_VALIDATE_CPU_LAUNCHER"] = str(CPU_LAUNCHER)
-    run = {"module": cmd[cmd.index("--module") + 1], "config": cmd[cmd.index("--config") + 1], "seed": seed}
-    run.update(last_bit=role == "last_bit_floor", command=shlex.join(cmd), steps=[], routing=None, status="ok")
+        env["TITAN_PRIMUS_VALIDATE_CPU_LAUNCHER"] = str(line.cpu_launcher)
+    module, config = line.run_names(plan, _fp8(role))
+    run = {"module": module, "config": config, "seed": seed}
+    settings = " ".join(f"{k}={v}" for k, v in line.run_env(_fp8(role)).items())  # part of the command
+    command = f"{settings} {shlex.join(cmd)}" if settings else shlex.join(cmd)
+    run.update(last_bit=role == "last_bit_floor", command=command, steps=[], routing=None, status="ok")
     start, offset = time.perf_counter(), 0
     bar = tqdm(total=plan.steps, desc=f"{plan.config} {role}", unit="step", file=sys.stderr, mininterval=1)
     with log_path.open("w") as log:
@@ -170,7 +158,7 @@ def run_trainer(plan: ConfigPlan, role: str, seed: int, nproc: int, work: Path, 
     elif not run["steps"]:
         run.update(status="failed", reason=f"the trainer logged no step metrics (log {log_path})")
     if role == "last_bit_floor" and not run.get("last_bit_flipped") and run["status"] == "ok":
-        run.update(status="failed", reason="the last-bit perturbation did not run (no BaseModel.init_weights call)")
+        run.update(status="failed", reason="the last-bit perturbation did not run (the model was not initialised)")
     return run
 
 
@@ -435,20 +423,13 @@ def command(args, argv: list[str], out) -> int:
     from .report import document, load_document, prepare_output, write_document
     from .validate_report import plot_validate_png, render_validate_markdown
 
-    from ..adapter_import import installed_version
-
-    torchtitan = installed_version("torchtitan")
-    if not torchtitan or not torchtitan.startswith("0.3"):
-        raise ValueError(
-            f"validate drives TorchTitan 0.3's trainer; this environment has torchtitan {torchtitan or 'not installed'} "
-            "(pip install 'titan-primus[torchtitan]')"
-        )
+    line = trainer_line()
     on_gpu = torch.cuda.is_available()
-    if not on_gpu and not CPU_LAUNCHER.exists():
+    if not on_gpu and not line.cpu_launcher.exists():
         raise ValueError(
-            f"no GPU here, and the CPU launcher {CPU_LAUNCHER} is missing: run from a clone of titan-primus"
+            f"no GPU here, and the CPU launcher {line.cpu_launcher} is missing: run from a clone of titan-primus"
         )
-    config_plans = plans(args, on_gpu)
+    config_plans = plans(args, on_gpu, line)
     baseline = load_document(args.baseline) if args.baseline else None
     if baseline is not None and baseline["kind"] != "validate":
         raise ValueError(f"--baseline {args.baseline}: a {baseline['kind']} file, not a validate JSON")
@@ -479,7 +460,7 @@ def command(args, argv: list[str], out) -> int:
         work.mkdir(parents=True, exist_ok=True)
         for plan in config_plans:
             seeds = {"bf16": args.seed, "fp8": args.seed, "seed_floor": args.floor_seed, "last_bit_floor": args.seed}
-            runs = {role: run_trainer(plan, role, seeds[role], nproc, work, on_gpu) for role in ROLES}
+            runs = {role: run_trainer(line, plan, role, seeds[role], nproc, work, on_gpu) for role in ROLES}
             result = {**asdict(plan), "fp8_config": plan.fp8_config, "runs": runs, "routing": runs["fp8"]["routing"]}
             result["verdicts"] = judge(result, args.window, args.seed_factor, args.spike_factor)
             doc["results"].append(result)

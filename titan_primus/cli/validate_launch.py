@@ -1,17 +1,19 @@
-"""The script ``titan-primus validate`` hands torchrun: TorchTitan 0.3's real trainer
-(``torchtitan.train.main``; on a CPU through examples/cpu_launch.py), with two small hooks set
-from the environment, and nothing else changed.
+"""The script ``titan-primus validate`` hands torchrun: TorchTitan's real trainer
+(``torchtitan.train``, 0.3 or 0.2.x; on a CPU through the line's CPU launcher), with two small hooks
+set from the environment, and nothing else changed. Where each hook sits on each line:
+validate_lines.py.
 
 - ``TITAN_PRIMUS_VALIDATE_METRICS=PATH``: rank 0 appends one JSON line per logged step to PATH
   (loss, grad norm, tokens/s, peak memory) as the trainer hands them to its metric loggers
-  (a wrapper around the logger ``MetricsProcessor`` builds), and one line with titan-primus's routing summary when the converter
-  runs. The figures are the trainer's own; the console log is not parsed.
-- ``TITAN_PRIMUS_VALIDATE_LAST_BIT=1``: once the trainer has initialised the model
-  (``BaseModel.init_weights``), the lowest mantissa bit of every floating-point parameter is
-  flipped: a numerically trivial change whose effect on the loss curve is the last-bit floor.
+  (a wrapper around the logger ``MetricsProcessor`` builds), and one line with titan-primus's
+  routing summary when the converter runs. The figures are the trainer's own; the console log is
+  not parsed.
+- ``TITAN_PRIMUS_VALIDATE_LAST_BIT=1``: once the trainer has initialised the model, the lowest
+  mantissa bit of every floating-point parameter is flipped: a numerically trivial change whose
+  effect on the loss curve is the last-bit floor.
 
-Run as a file (``torchrun .../validate_launch.py --module ... --config ...``); the arguments are
-``torchtitan.train``'s. ``TITAN_PRIMUS_VALIDATE_CPU_LAUNCHER=PATH`` names the CPU launcher.
+Run as a file (``torchrun .../validate_launch.py ARGS``); the arguments are ``torchtitan.train``'s.
+``TITAN_PRIMUS_VALIDATE_CPU_LAUNCHER=PATH`` names the CPU launcher.
 """
 
 import json
@@ -49,63 +51,6 @@ def flip_last_bit(model) -> int:
     return changed
 
 
-def _install_hooks() -> None:
-    if os.environ.get(METRICS_ENV):
-        from torchtitan.components.metrics import BaseLogger, MetricsProcessor
-
-        class RecordingLogger(BaseLogger):
-            """Records each training step's metrics, then hands them to the loggers the config chose."""
-
-            def __init__(self, inner):
-                self.inner = inner
-
-            def log(self, metrics, step):
-                if "loss_metrics/global_avg_loss" in metrics:
-                    _record(
-                        {
-                            "step": int(step),
-                            "loss": float(metrics["loss_metrics/global_avg_loss"]),
-                            "grad_norm": float(metrics["grad_norm"]),
-                            "tps": float(metrics["throughput(tps)"]),
-                            "memory_bytes": int(metrics["memory/max_reserved(GiB)"] * 2**30),
-                        }
-                    )
-                self.inner.log(metrics, step)
-
-            def close(self):
-                self.inner.close()
-
-        build_metric_logger = MetricsProcessor._build_metric_logger
-
-        def build_recording_logger(self, *args, **kwargs):
-            return RecordingLogger(build_metric_logger(self, *args, **kwargs))
-
-        MetricsProcessor._build_metric_logger = build_recording_logger
-
-    if os.environ.get(METRICS_ENV) and "titan_primus" in sys.argv:  # the FP8 runs (--module titan_primus)
-        from titan_primus.torchtitan.converter import Float8Converter
-
-        convert = Float8Converter.convert
-
-        def convert_and_record(self, model_config):
-            converted = convert(self, model_config)
-            _record({"routing": self.report.summary()})
-            return converted
-
-        Float8Converter.convert = convert_and_record
-
-    if os.environ.get(LAST_BIT_ENV) == "1":
-        from torchtitan.protocols.model import BaseModel
-
-        init_weights = BaseModel.init_weights
-
-        def init_weights_last_bit(self, *args, **kwargs):
-            init_weights(self, *args, **kwargs)
-            _record({"last_bit_flipped": flip_last_bit(self)})
-
-        BaseModel.init_weights = init_weights_last_bit
-
-
 def main() -> None:
     cpu_launcher = os.environ.get(CPU_LAUNCHER_ENV)
     if cpu_launcher:
@@ -113,9 +58,12 @@ def main() -> None:
         sys.path.insert(0, str(Path(cpu_launcher).parent))
         import cpu_launch  # noqa: F401
 
-    _install_hooks()
-    from torchtitan.train import main as train
+    from titan_primus.cli.validate_lines import trainer_line
 
+    line = trainer_line()
+    train = line.install_hooks(
+        _record, flip_last_bit, metrics=bool(os.environ.get(METRICS_ENV)), last_bit=os.environ.get(LAST_BIT_ENV) == "1"
+    )
     code = train()
     if cpu_launcher:
         import cpu_world
