@@ -16,6 +16,8 @@ import math
 from collections import Counter
 from pathlib import Path
 
+from .formatting import ResultsFileError, markdown_table, prepare_output, pyplot
+
 __all__ = [
     "SCHEMA_VERSION",
     "ResultsFileError",
@@ -39,10 +41,6 @@ _TOP_LEVEL_KEYS = ("schema_version", "kind", "environment", "settings", "results
 _ROW_KEYS = ("op", "case", "backend", "status", "reason")
 
 
-class ResultsFileError(ValueError):
-    """A results file is missing, unreadable, or not in the documented schema."""
-
-
 def document(kind: str, environment: dict, settings: dict, results: list[dict], summary: dict) -> dict:
     return {
         "schema_version": SCHEMA_VERSION,
@@ -52,12 +50,6 @@ def document(kind: str, environment: dict, settings: dict, results: list[dict], 
         "results": results,
         "summary": summary,
     }
-
-
-def prepare_output(path: str | None) -> None:
-    """Create the parent folder of an output file up front, so a long run cannot end in a failed write."""
-    if path:
-        Path(path).expanduser().resolve().parent.mkdir(parents=True, exist_ok=True)
 
 
 def write_document(path: str, doc: dict) -> None:
@@ -121,16 +113,6 @@ def format_db(v: float | str | None) -> str:
         return "-"
     x = parse_db(v)
     return f"{x:.1f}" if math.isfinite(x) else ("inf" if x > 0 else "-inf")
-
-
-def markdown_table(header: list[str], rows: list[list[str]]) -> str:
-    """A Markdown table padded to column width, so it reads in a terminal too."""
-    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows)]
-
-    def line(cells):
-        return "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"
-
-    return "\n".join([line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)])
 
 
 def skip_lines(skips: list[tuple[str, str]]) -> list[str]:
@@ -302,7 +284,7 @@ def _headroom(row: dict) -> float:
 
 def plot_sqnr_png(labelled: list[tuple[str, dict]], path: str) -> None:
     """Per case and backend, the headroom of SQNR vs fp32 over its bar; one panel per parity file."""
-    plt = _pyplot()
+    plt = pyplot()
     parity = [
         (label, [r for r in doc["results"] if r["status"] != "skipped"])
         for label, doc in labelled
@@ -352,7 +334,7 @@ _MEMORY_COLORS = {"activation_fp8": "C0", "activation_hp": "C1", "weight_copy": 
 def plot_memory_png(labelled: list[tuple[str, dict]], path: str) -> None:
     """Per audited layer, the bytes it keeps for backward stacked by kind (weight copies in red);
     one panel per memory file."""
-    plt = _pyplot()
+    plt = pyplot()
     memory = [
         (label, [r for r in doc["results"] if r["status"] == "ok"])
         for label, doc in labelled
@@ -388,17 +370,6 @@ def plot_memory_png(labelled: list[tuple[str, dict]], path: str) -> None:
     prepare_output(path)
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def _pyplot():
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")  # files only, no display needed
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        raise ResultsFileError(f"--png needs matplotlib ({e}); pip install matplotlib") from None
-    return plt
 
 
 def command(paths: list[str], png: str | None, out) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from .report import markdown_table
+from .formatting import markdown_table, prepare_output, pyplot
 from .validate_verdicts import median_tps, peak_memory
 
 __all__ = ["plot_validate_png", "render_validate_markdown"]
@@ -110,9 +110,8 @@ _STYLE = {"bf16": ("C0", "-"), "fp8": ("C3", "-"), "seed_floor": ("C0", ":"), "l
 def plot_validate_png(labelled: list[tuple[str, dict]], path: str) -> None:
     """One row per config of every file: loss curves (with the baseline's FP8 and bf16 dashed),
     tokens/s per step, and peak memory per run."""
-    from .report import _pyplot, prepare_output
 
-    plt = _pyplot()
+    plt = pyplot()
     rows = [(label, doc, result) for label, doc in labelled for result in doc["results"]]
     fig, axes = plt.subplots(len(rows), 3, figsize=(16, 4 * len(rows)), squeeze=False)
     for (label, doc, result), (loss_ax, tps_ax, mem_ax) in zip(rows, axes):
