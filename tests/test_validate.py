@@ -157,6 +157,26 @@ def test_a_nan_loss_fails_every_loss_verdict(quick):
         assert verdicts[name]["status"] == "fail", verdicts[name]
 
 
+def test_grad_norm_spikes_bf16_lacks_are_judged_against_the_seed_floor(quick):
+    _, _, _, doc = quick
+    s = doc["settings"]
+    name = "no more grad-norm spikes bf16 lacks than the seed floor"
+
+    def spike(result, role, step):
+        result["runs"][role]["steps"][step - 1]["grad_norm"] *= 10 * s["spike_factor"]
+
+    result = _again(doc)["results"][0]
+    spike(result, "fp8", 15)
+    verdicts = {v["name"]: v for v in judge(result, s["window"], s["seed_factor"], s["spike_factor"])}
+    assert verdicts[name]["status"] == "fail" and "FP8 [15]" in verdicts[name]["text"], verdicts[name]
+    spike(result, "seed_floor", 17)  # an equally good bf16 run with a spike of its own
+    verdicts = {v["name"]: v for v in judge(result, s["window"], s["seed_factor"], s["spike_factor"])}
+    assert verdicts[name]["status"] == "pass", verdicts[name]
+    spike(result, "bf16", 14)  # bf16 spikes there too: FP8's is not its own
+    verdicts = {v["name"]: v for v in judge(result, s["window"], s["seed_factor"], s["spike_factor"])}
+    assert verdicts[name]["status"] == "pass" and "FP8 none" in verdicts[name]["text"], verdicts[name]
+
+
 def test_a_corrupted_backend_fails_the_convergence_verdict(tmp_path):
     corrupt_backend.write_entry_point(tmp_path)
     env = {

@@ -13,7 +13,7 @@ examples/cpu_launch.py, the debug models on the shipped corpus) four times on th
 
 Verdicts (validate_verdicts.py): every loss and grad norm finite, every run complete; FP8's loss
 over the last window and its whole curve within ``--seed-factor`` times the seed floor of bf16's;
-no grad-norm spike bf16 does not have. With ``--baseline`` (an earlier validate JSON): each run's
+no more grad-norm spikes bf16 lacks than the seed floor has. With ``--baseline`` (an earlier validate JSON): each run's
 loss curve within ``--last-bit-factor`` times the last-bit floor of the baseline's, tokens/s not
 lower and memory not higher than the tolerances, and a table of what changed in the stack and
 the settings (a baseline of another config is compared on what both have, the differences listed).
@@ -232,17 +232,25 @@ def judge(result: dict, window: int, seed_factor: float, spike_factor: float) ->
             f"{_pct(seed['curve'])} = {_pct(bound)}",
         )
     )
-    fp8_spikes = grad_norm_spikes(runs["fp8"]["steps"], window, spike_factor)
-    bf16_spikes = grad_norm_spikes(runs["bf16"]["steps"], window, spike_factor)
-    own = [s for s in fp8_spikes if not any(abs(s - b) <= 2 for b in bf16_spikes)]
+    # Spikes bf16 lacks, judged against the seed floor: an equally good bf16 run at another seed
+    # has spikes bf16 lacks too (deepseek_v3's debug model, 50 steps on a CPU: 5 of them).
+    spikes = {
+        role: grad_norm_spikes(runs[role]["steps"], window, spike_factor) for role in ("fp8", "bf16", "seed_floor")
+    }
+
+    def lacked_by_bf16(role: str) -> list[int]:
+        return [s for s in spikes[role] if not any(abs(s - b) <= 2 for b in spikes["bf16"])]
+
+    own, floor = lacked_by_bf16("fp8"), lacked_by_bf16("seed_floor")
     verdicts.append(
         Verdict(
-            "no grad-norm spike bf16 lacks",
-            not own,
+            "no more grad-norm spikes bf16 lacks than the seed floor",
+            len(own) <= len(floor),
             len(own),
-            0,
-            f"FP8 grad-norm spikes (> {spike_factor:g} x the median of the {window} steps before) bf16 lacks "
-            f"(within 2 steps): {own or 'none'}; FP8's spikes {fp8_spikes or 'none'}, bf16's {bf16_spikes or 'none'}",
+            len(floor),
+            f"grad-norm spikes (> {spike_factor:g} x the median of the {window} steps before) bf16 lacks "
+            f"(within 2 steps): FP8 {own or 'none'}, the seed floor {floor or 'none'}; "
+            f"FP8's spikes {spikes['fp8'] or 'none'}, bf16's {spikes['bf16'] or 'none'}",
         )
     )
     return verdicts
