@@ -15,6 +15,8 @@ weights get their last-bit flip, and how the trainer is started.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import os
 import tomllib
 from pathlib import Path
@@ -72,8 +74,8 @@ def record_routing(converter_cls, method: str, record) -> None:
     setattr(converter_cls, method, convert_and_record)
 
 
-class TrainerLine:
-    """The line-specific pieces; the subclasses fill them in."""
+class TrainerLine(ABC):
+    """The line-specific pieces; each TorchTitan line's subclass implements the abstract ones."""
 
     name: str
     cpu_launcher: Path
@@ -83,27 +85,29 @@ class TrainerLine:
 
     config_example: str
 
-    def fp8_config(self, plan) -> str:
-        raise NotImplementedError
+    @abstractmethod
+    def fp8_config(self, plan) -> str: ...
 
     def run_names(self, plan, fp8: bool) -> tuple[str, str]:
         """The module and config a run records."""
         return plan.module, plan.fp8_config if fp8 else plan.config
 
+    @abstractmethod
     def check_plan(self, module: str | None, config: str) -> str:
         """The model name of ``config`` (``module`` where the line needs it), or ValueError."""
-        raise NotImplementedError
+        ...
 
-    def trainer_args(self, plan, fp8: bool, seed: int, dump: Path, on_gpu: bool) -> list[str]:
-        raise NotImplementedError
+    @abstractmethod
+    def trainer_args(self, plan, fp8: bool, seed: int, dump: Path, on_gpu: bool) -> list[str]: ...
 
     def run_env(self, fp8: bool) -> dict[str, str]:
         return {}
 
+    @abstractmethod
     def install_hooks(self, record, flip_last_bit, metrics: bool, last_bit: bool):
         """Inside the trainer process: install the hooks; returns the function that trains (its
         exit code)."""
-        raise NotImplementedError
+        ...
 
 
 def _common_args(plan, seed: int, on_gpu: bool, tokenizer: str, dataset: str) -> list[str]:
