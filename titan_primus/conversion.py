@@ -143,6 +143,13 @@ class ConversionOptions:
     """Under FSDP2, all-gather the weights of FP8 linears and MoE experts as FP8 payload plus
     scales (about half the bytes) wherever that is bit-exact for the recipe and the backend
     takes a pre-quantized weight; elsewhere bf16, with the reason in the routing report."""
+    fp8_dispatch: bool = False
+    """Under expert parallelism, send the routed tokens across the all-to-all as the FP8 payload
+    and scales of the recipe's activation cast (about half the bytes), where that is exact for
+    the recipe (rowwise, TorchAO's mxfp8); combine and gradients stay in the activations' dtype.
+    The experts then receive that FP8 copy: forward unchanged, the w1/w3 weight gradient cast
+    from the copy (docs/token-dispatch.md). Elsewhere the tokens travel as without the option,
+    with the reason in the routing report."""
     sentinel_interval: int = 0
     """Numerics sentinel (docs/sentinel.md): every this many steps, re-compute one converted layer
     (round robin) with the exact emulation of its recipe and compare; while on, every converted
@@ -157,7 +164,14 @@ class ConversionOptions:
     def check(self) -> None:
         """Raise ValueError naming the bad option. Config files reach here unchecked (TOML values
         are not type-checked), and a string ``filter_fqns`` would silently match by character."""
-        for name in ("linears", "grouped_experts", "auto_filter_small_kn", "strict", "enable_fsdp_float8_all_gather"):
+        for name in (
+            "linears",
+            "grouped_experts",
+            "auto_filter_small_kn",
+            "strict",
+            "enable_fsdp_float8_all_gather",
+            "fp8_dispatch",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"FP8 option {name!r} must be true or false, got {getattr(self, name)!r}")
         check_recipe_name(self.recipe)
@@ -198,6 +212,9 @@ class ConversionReport:
     layers: list[LayerRoute] = field(default_factory=list)
     fp8_all_gather: dict[str, Verdict] = field(default_factory=dict)
     """Per op, with enable_fsdp_float8_all_gather on: whether FSDP2 gathers its weights in FP8."""
+    token_dispatch: dict[str, Verdict] = field(default_factory=dict)
+    """Per FP8 expert block, with fp8_dispatch on: whether its routed tokens cross the EP
+    all-to-all in FP8, and why (not)."""
     tied: dict[str, str] = field(default_factory=dict)
     """FP8 layers whose weight FSDP2 gathers in high precision although their op's weights go in
     FP8, because another module shares it: fqn -> reason."""
@@ -236,7 +253,19 @@ class ConversionReport:
                     for fqn, why in self.tied.items()
                     if any(r.fqn == fqn for r in self.converted(kind))
                 ]
+        lines += self._token_dispatch_lines()
         return "\n".join(lines)
+
+    def _token_dispatch_lines(self) -> list[str]:
+        by_verdict: dict[tuple[bool, str], list[str]] = defaultdict(list)
+        for fqn, verdict in self.token_dispatch.items():
+            by_verdict[bool(verdict), verdict.reason].append(fqn)
+        lines = []
+        for (fp8, reason), fqns in by_verdict.items():
+            how = "FP8 payload + scales" if fp8 else "the activations' dtype"
+            shown = ", ".join(fqns[:4]) + (f", ... ({len(fqns)} in all)" if len(fqns) > 4 else "")
+            lines.append(f"  grouped experts: EP token dispatch in {how}: {shown}: {reason}")
+        return lines
 
 
 class LayerRouter:
@@ -301,6 +330,23 @@ class LayerRouter:
             )
             return False
         return bool(self.report.fp8_all_gather[op])
+
+    def token_dispatch(self, fqn: str, recipe, *, unsupported: str | None = None) -> bool:
+        """Whether the routed tokens of the FP8 expert block at ``fqn`` (running ``recipe``)
+        cross the EP all-to-all in FP8 (the fp8_dispatch option is on and the recipe qualifies),
+        recorded with the reason. ``unsupported``: the adapter's reason it cannot, if any."""
+        if not self.options.fp8_dispatch:
+            return False
+        why_not = unsupported or recipe.fp8_dispatch_refusal
+        if why_not:
+            self.report.token_dispatch[fqn] = Verdict.no(why_not)
+            return False
+        what = "one scale per row" if recipe.output.a.granularity == "rowwise" else "one E8M0 scale per 1x32 tile"
+        self.report.token_dispatch[fqn] = Verdict.yes(
+            f"{what}, as the grouped GEMMs cast them (forward unchanged; the w1/w3 weight gradient casts the "
+            f"FP8 copy); combine and gradients in the activations' dtype"
+        )
+        return True
 
     def _record(self, fqn, kind, decision: RoutingDecision, reason: str | None) -> RoutingDecision | None:
         if reason:

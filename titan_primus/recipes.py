@@ -31,7 +31,7 @@ v0.3.2.dev48 runs the same MX code).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -47,6 +47,7 @@ __all__ = [
     "BlockScaleRule",
     "make_recipe",
     "check_recipe_name",
+    "with_fp8_dispatch",
 ]
 
 RECIPE_NAMES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8", "blockwise")
@@ -135,6 +136,12 @@ class Fp8Recipe:
     GEMM on the tokens each rank receives. Never coarser than one device's scales, but not
     bitwise one device's: Primus-Turbo's variable-K wgrad kernels take one scale vector per
     dimension for all groups, so per-expert scales cannot be passed to them."""
+    fp8_dispatch: bool = False
+    """Under expert parallelism the routed tokens cross the all-to-all as the FP8 payload and
+    scales of the forward activation cast (titan_primus.token_dispatch), so the experts receive
+    that FP8 copy, dequantized: their forward is unchanged (re-quantizing the copy reproduces it)
+    and the weight gradient of w1/w3 casts the tokens from the copy along the token dimension,
+    as DeepSeek-V3 does. Only where ``fp8_dispatch_refusal`` is None."""
     sixteen_bit_gemms: bool = False
     """Every FP8 GEMM writes bfloat16 or float16 only (Primus-Turbo: no backend of
     ``kernels/gemm/gemm_fp8_impl.py`` lists float32 output in its SUPPORTED_DTYPES), so a
@@ -189,6 +196,12 @@ class Fp8Recipe:
         """What the grouped-GEMM scales cover under expert parallelism, or why it is refused."""
         return self.expert_parallel_scales or "refused: its scales span all experts, with no definition over a rank's"
 
+    @property
+    def fp8_dispatch_refusal(self) -> str | None:
+        """Why routed tokens cross the EP all-to-all in the activations' dtype for this recipe,
+        or None where they may cross it in FP8 (``fp8_dispatch``)."""
+        return _FP8_DISPATCH_REFUSALS.get((self.name, self.definition))
+
     def dtype(self, cast: OperandCast) -> torch.dtype:
         return self.e4m3 if cast.fmt == "e4m3" else self.e5m2
 
@@ -198,7 +211,8 @@ class Fp8Recipe:
 
     def describe(self) -> str:
         fmt = str(self.e4m3).removeprefix("torch.float8_")
-        return f"{self.name} ({self.definition} definition, {fmt})"
+        dispatch = ", FP8 token dispatch" if self.fp8_dispatch else ""
+        return f"{self.name} ({self.definition} definition, {fmt}{dispatch})"
 
 
 def sixteen_bit(dtype: torch.dtype) -> torch.dtype:
@@ -277,6 +291,31 @@ _TABLE: dict[tuple[str, str], tuple[tuple[GemmCasts, GemmCasts, GemmCasts], dict
         {"pow2_scales": False, "block_scale": BlockScaleRule("fp32", amax_eps=1e-4), "sixteen_bit_gemms": True},
     ),
 }
+# Why a recipe's routed tokens stay in the activations' dtype across the EP all-to-all. The
+# others send their forward activation cast: row-local, and its dequantized copy re-quantizes to
+# the same values (power-of-two scales; Primus-Turbo's rowwise: the copy's row maximum is the
+# row's bfloat16 amax, so its scale is the same), so the forward is unchanged, and the w1/w3
+# wgrad cast from the copy is TorchAO's up to FP8-subnormal elements, Primus-Turbo's rowwise
+# exactly (its backward already starts from the copy). docs/token-dispatch.md has the figures.
+_NOT_ROW_LOCAL = "its activation scale spans every routed token, so it cannot be taken before the all-to-all"
+_FP32_TILES = (
+    "its tile scales are not powers of two: the w1/w3 weight gradient cast from the FP8 copy loses up to "
+    "2.3 dB against fp32 (measured on 6 distributions)"
+)
+_FP8_DISPATCH_REFUSALS = {
+    ("tensorwise", "torchao"): _NOT_ROW_LOCAL,
+    ("tensorwise", "primus_turbo"): _NOT_ROW_LOCAL,
+    ("rowwise_with_gw_hp", "torchao"): (
+        "its weight gradient runs in high precision; from an FP8 copy of the tokens it would not"
+    ),
+    ("blockwise", "torchao"): _FP32_TILES,
+    ("blockwise", "primus_turbo"): _FP32_TILES,
+    ("mxfp8", "primus_turbo"): (
+        "its E8M0 'even' rounding saturates: the w1/w3 weight gradient cast from the FP8 copy loses up to "
+        "0.12 dB against fp32 (measured on 6 distributions), and its MX kernels do not run here to verify it"
+    ),
+}
+
 # MX is defined on OCP e4m3fn (E8M0 rounding assumes fp8_max 448), on every device.
 _OCP_ONLY = {"mxfp8"}
 
@@ -304,3 +343,11 @@ def make_recipe(name: str, definition: str, device: DeviceProfile) -> Fp8Recipe:
     gemms, options = _TABLE[name, definition]
     formats = (torch.float8_e4m3fn, torch.float8_e5m2) if name in _OCP_ONLY else (device.e4m3, device.e5m2)
     return Fp8Recipe(name, definition, *gemms, e4m3=formats[0], e5m2=formats[1], **options)
+
+
+def with_fp8_dispatch(recipe: Fp8Recipe) -> Fp8Recipe:
+    """``recipe`` with FP8 token dispatch (see ``Fp8Recipe.fp8_dispatch``); a ValueError naming
+    the reason where the recipe does not qualify."""
+    if recipe.fp8_dispatch_refusal is not None:
+        raise ValueError(f"titan-primus: no FP8 token dispatch for {recipe.describe()}: {recipe.fp8_dispatch_refusal}")
+    return replace(recipe, fp8_dispatch=True)

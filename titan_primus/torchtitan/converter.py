@@ -14,9 +14,12 @@ from torchtitan.components.quantization.utils import swap_token_dispatcher
 from torchtitan.models.common.linear import Linear
 from torchtitan.models.common.moe import GroupedExperts
 
+from ..recipes import with_fp8_dispatch
+from ..token_dispatch import fp8_dispatch_cast
 from ..conversion import ConversionOptions, LayerRouter, group_alignment, keep_fp8_cast_rounding_under_inductor
 from ..sentinel import COMPILE_UNSUPPORTED, SentinelLayer, drive_trainer
 from .modules import Fp8Linear, fp8_experts_class, is_fp8_config
+from .token_dispatch import fp8_dispatcher_config
 
 __all__ = ["SELECTIVE_AC_FIX", "Float8Converter", "has_fp8_conversion"]
 
@@ -178,14 +181,28 @@ class Float8Converter(QuantizationConverter):
             alignment = group_alignment(decision.backend_name, decision.recipe.name)
             if alignment:
                 swap_token_dispatcher(parent, alignment)  # ``parent`` is RoutedExperts.Config
+            recipe = decision.recipe
+            if self.config.fp8_dispatch:
+                recipe = self._fp8_token_dispatch(fqn, parent, recipe)
             cls = fp8_experts_class(type(experts)._owner)
             new = _copy_as(
                 experts,
                 cls.Config,
                 fp8_backend=decision.backend_name,
-                fp8_recipe=decision.recipe,
+                fp8_recipe=recipe,
                 fp8_all_gather=self.router.fp8_all_gather("grouped_mm"),
                 fp8_sentinel=self._watched(fqn),
             )
             model_config = _replace(model_config, parent, attr, new)
         return model_config
+
+    def _fp8_token_dispatch(self, fqn, routed_experts, recipe):
+        """``recipe``, with FP8 token dispatch where the recipe and TorchTitan's dispatcher allow it
+        (``routed_experts``, the RoutedExperts.Config, then gets the FP8 dispatcher)."""
+        swapped = None
+        if recipe.fp8_dispatch_refusal is None:
+            swapped = fp8_dispatcher_config(routed_experts.token_dispatcher, fp8_dispatch_cast(recipe))
+        if not self.router.token_dispatch(fqn, recipe, unsupported=swapped if isinstance(swapped, str) else None):
+            return recipe
+        routed_experts.token_dispatcher = swapped
+        return with_fp8_dispatch(recipe)

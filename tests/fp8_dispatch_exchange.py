@@ -1,0 +1,122 @@
+"""Run by test_token_dispatch.py under torchrun (2 ranks, gloo): TorchTitan 0.3's all-to-all
+token dispatcher against its FP8 dispatch subclass, dispatch -> experts (an FP8 grouped GEMM
+on the emulation) -> combine -> backward, eager and compiled (fullgraph):
+
+- FP8 on the wire equals the same FP8 copy sent in bf16 (``fp8_on_the_wire=False``), bitwise:
+  the received rows, the output, every gradient;
+- the bytes each all-to-all moves, counted at the collective (``_c10d_functional`` ops; eager), and
+  how many run per direction: the token counts, one packed dispatch, one bf16 combine forward;
+  one bf16 all-to-all each for the gradients.
+
+Prints one ``RESULT {json}`` line per case on rank 0."""
+
+import contextlib
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.utils._python_dispatch import TorchDispatchMode
+from torchtitan.distributed.utils import set_spmd_backend
+from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, TorchAOTokenDispatcher
+
+import titan_helpers  # noqa: F401  (puts examples/ on sys.path)
+from cpu_world import exit_without_teardown
+
+import titan_primus as tp
+from titan_primus.device import device_profile
+from titan_primus.token_dispatch import fp8_dispatch_cast
+from titan_primus.torchtitan.token_dispatch import fp8_dispatcher_config
+
+_ALL_TO_ALL = {torch.ops._c10d_functional.all_to_all_single.default}
+
+
+class CollectiveBytes(TorchDispatchMode):
+    """Bytes each all-to-all sends from this rank, in call order."""
+
+    def __init__(self):
+        super().__init__()
+        self.sent: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in _ALL_TO_ALL:
+            self.sent.append((str(args[0].dtype).removeprefix("torch."), args[0].numel() * args[0].element_size()))
+        return func(*args, **(kwargs or {}))
+
+
+def main(recipe_name: str, definition: str, arch: str, padded: bool, compiled: bool) -> None:
+    dist.init_process_group("gloo")
+    torch._dynamo.config.capture_scalar_outputs = True  # as TorchTitan's apply_compile sets it
+    set_spmd_backend("full_dtensor")  # TorchTitan's functional-collective path (as under compile), no spmd_types mesh
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))
+    recipe = tp.make_recipe(recipe_name, definition, device_profile(arch))
+    experts, top_k, dim, hidden, tokens = 8, 2, 256, 128, 96
+    base = (TorchAOTokenDispatcher.Config(num_experts=experts, top_k=top_k, pad_multiple=32) if padded
+            else AllToAllTokenDispatcher.Config(num_experts=experts, top_k=top_k))
+    cast = fp8_dispatch_cast(recipe)
+    dispatchers = {"bf16": base.build(), "fp8": fp8_dispatcher_config(base, cast).build()}
+    reference = fp8_dispatcher_config(base, cast)
+    reference.fp8_on_the_wire = False
+    dispatchers["fp8 copy in bf16"] = reference.build()
+    for d in dispatchers.values():
+        d.wire_meshes(ep_mesh=mesh)
+
+    gen = torch.Generator().manual_seed(100 + rank)
+    x = (torch.randn(tokens, dim, generator=gen) * torch.exp(torch.randn(tokens, 1, generator=gen))).bfloat16()
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    scores = torch.rand(tokens, top_k, generator=gen)
+    counts = torch.bincount(ids.flatten(), minlength=experts)
+    w = (torch.randn(experts // 2, hidden, dim, generator=torch.Generator().manual_seed(rank)) * 0.05).bfloat16()
+    grad_out = torch.randn(tokens, dim, generator=gen).bfloat16()
+    backend = tp.registry.get_backend("emulated")
+
+    def step(dispatcher, x, w):
+        routed, local_counts, meta = dispatcher.dispatch(x, scores, ids, counts)
+        offs = torch.cumsum(local_counts, 0, dtype=torch.int32)
+        h = backend.grouped_mm(routed, w.transpose(-2, -1), offs, recipe)  # [R, hidden]
+        out = torch.nn.functional.pad(h, (0, dim - hidden)).to(x.dtype)
+        return routed, dispatcher.combine(out, meta, x)
+
+    results = {}
+    for name, dispatcher in dispatchers.items():
+        fn = torch.compile(step, fullgraph=True, dynamic=True) if compiled else step
+        x_, w_ = x.clone().requires_grad_(), w.clone().requires_grad_()
+        # A dispatch mode cannot run under torch.compile: bytes are counted eager only.
+        forward_bytes, backward_bytes = CollectiveBytes(), CollectiveBytes()
+        with contextlib.nullcontext() if compiled else forward_bytes:
+            routed, out = fn(dispatcher, x_, w_)
+        with contextlib.nullcontext() if compiled else backward_bytes:
+            out.backward(grad_out)
+        results[name] = (routed.detach(), out.detach(), x_.grad, w_.grad, forward_bytes.sent, backward_bytes.sent)
+
+    fp8, copy, bf16 = results["fp8"], results["fp8 copy in bf16"], results["bf16"]
+    bitwise = all(torch.equal(a, b) for a, b in zip(fp8[:4], copy[:4]))
+    differs_from_bf16 = not torch.equal(fp8[0], bf16[0])
+    weight_grads = fp8[3], bf16[3]
+    summary = {
+        "recipe": recipe.describe(),
+        "padded": padded,
+        "compiled": compiled,
+        "bitwise_fp8_vs_copy_in_bf16": bitwise,
+        "received_rows_differ_from_bf16_dispatch": differs_from_bf16,
+        # The GEMM re-quantizes the received copy to the same values: forward and grad_input as
+        # with bf16 dispatch; the weight gradient casts the copy (equal where the recipe's
+        # backward already did, else FP8-subnormal elements apart).
+        "output_and_grad_input_equal_to_bf16_dispatch": torch.equal(fp8[1], bf16[1]) and torch.equal(fp8[2], bf16[2]),
+        "grad_weight_elements_differing_from_bf16_dispatch": (weight_grads[0] != weight_grads[1]).sum().item(),
+        "finite": all(torch.isfinite(t).all().item() for t in fp8[:4]),
+        "forward_all_to_all": {k: v[4] for k, v in results.items()},
+        "backward_all_to_all": {k: v[5] for k, v in results.items()},
+    }
+    dist.barrier()
+    if rank == 0:
+        print("RESULT " + json.dumps(summary, default=str), flush=True)
+    dist.barrier()
+    exit_without_teardown(0)  # see cpu_world: gloo processes can abort in interpreter teardown
+
+
+if __name__ == "__main__":
+    recipe_name, definition, arch, padded, compiled = sys.argv[1:6]
+    main(recipe_name, definition, arch, padded == "padded", compiled == "compiled")

@@ -1,0 +1,67 @@
+"""TorchTitan 0.3's all-to-all token dispatchers with FP8 token dispatch: the dispatch all-to-all
+sends the routed tokens as FP8 payload plus scales (titan_primus.token_dispatch); the count
+exchange, the permutes, combine and every gradient are TorchTitan's own."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
+
+from ..token_dispatch import DispatchCast, fp8_all_to_all, fp8_copy
+
+__all__ = ["fp8_dispatcher_config"]
+
+_DISPATCHER_CLASSES: dict[type, type] = {}
+
+
+def _fp8_dispatcher_class(parent_cls: type[AllToAllTokenDispatcher]) -> type[AllToAllTokenDispatcher]:
+    """A subclass of ``parent_cls`` (the "standard" dispatcher, or TorchTitan's padding one for
+    quantized grouped GEMMs) whose dispatch all-to-all runs in FP8. One class per parent."""
+    if parent_cls in _DISPATCHER_CLASSES:
+        return _DISPATCHER_CLASSES[parent_cls]
+
+    class Fp8TokenDispatcher(parent_cls):  # type: ignore[valid-type, misc]
+        @dataclass(kw_only=True, slots=True)
+        class Config(parent_cls.Config):  # type: ignore[misc, name-defined]
+            fp8_dispatch_cast: DispatchCast
+            fp8_on_the_wire: bool = True
+            """False sends the same FP8 copy in the activations' dtype: the definition without
+            the transport, which tests compare the transport with."""
+
+        def __init__(self, config: Config):
+            super().__init__(config)
+            self.fp8_dispatch_cast = config.fp8_dispatch_cast
+            self.fp8_on_the_wire = config.fp8_on_the_wire
+
+        def dispatch(self, x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E):
+            if self.ep_mesh is None:  # no all-to-all: the experts get the same FP8 copy
+                x_TD = fp8_copy(x_TD, self.fp8_dispatch_cast)
+            return super().dispatch(x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E)
+
+        def _dispatch_token_exchange(self, routed_input_ND, pg, output_splits, input_splits):
+            if not self.fp8_on_the_wire:
+                routed_input_ND = fp8_copy(routed_input_ND, self.fp8_dispatch_cast)
+                return super()._dispatch_token_exchange(routed_input_ND, pg, output_splits, input_splits)
+            return fp8_all_to_all(routed_input_ND, self.fp8_dispatch_cast, output_splits, input_splits, self.ep_mesh)
+
+    name = f"Fp8{parent_cls.__name__}"
+    Fp8TokenDispatcher.__name__ = Fp8TokenDispatcher.__qualname__ = name
+    _DISPATCHER_CLASSES[parent_cls] = Fp8TokenDispatcher
+    return Fp8TokenDispatcher
+
+
+def fp8_dispatcher_config(dispatcher_config, cast: DispatchCast):
+    """``dispatcher_config`` (an all-to-all dispatcher's Config) as the Config of its FP8
+    dispatch subclass; a reason string where TorchTitan's dispatcher does its own transport."""
+    parent_cls = getattr(type(dispatcher_config), "_owner", None)
+    if parent_cls is None or not issubclass(parent_cls, AllToAllTokenDispatcher):
+        return (
+            f"TorchTitan's {type(dispatcher_config).__qualname__} moves the tokens with its own kernels; "
+            f"FP8 dispatch runs on the all-to-all dispatcher (moe_comm_backend \"standard\")"
+        )
+    if parent_cls in _DISPATCHER_CLASSES.values():
+        parent_cls = parent_cls.__mro__[1]
+    cls = _fp8_dispatcher_class(parent_cls)
+    values = {f.name: getattr(dispatcher_config, f.name) for f in fields(parent_cls.Config) if f.init}
+    return cls.Config(**values, fp8_dispatch_cast=cast)
