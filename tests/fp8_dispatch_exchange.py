@@ -1,6 +1,7 @@
 """Run by test_token_dispatch.py under torchrun (2 ranks, gloo): TorchTitan 0.3's all-to-all
 token dispatcher against its FP8 dispatch subclass, dispatch -> experts (an FP8 grouped GEMM
-on the emulation) -> combine -> backward, eager and compiled (fullgraph):
+on the emulation) -> combine -> backward, eager, compiled (fullgraph) or under selective
+activation checkpointing with TorchTitan's save set (``sac``):
 
 - FP8 on the wire equals the same FP8 copy sent in bf16 (``fp8_on_the_wire=False``), bitwise:
   the received rows, the output, every gradient;
@@ -11,6 +12,7 @@ on the emulation) -> combine -> backward, eager and compiled (fullgraph):
 Prints one ``RESULT {json}`` line per case on rank 0."""
 
 import contextlib
+import functools
 import json
 import sys
 
@@ -18,6 +20,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torchtitan.distributed.activation_checkpoint import _get_default_save_ops
 from torchtitan.distributed.utils import set_spmd_backend
 from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, TorchAOTokenDispatcher
 
@@ -45,7 +49,24 @@ class CollectiveBytes(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def main(recipe_name: str, definition: str, arch: str, padded: bool, compiled: bool) -> None:
+def selective_ac(fn):
+    """``fn`` under per-op selective activation checkpointing with TorchTitan's own save set
+    (which saves every ``_c10d_functional.all_to_all_single``): backward runs the forward again,
+    and must not run its all-to-alls again."""
+    save = _get_default_save_ops()
+
+    def policy(ctx, func, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if func in save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    def checkpointed(*args):
+        context = functools.partial(create_selective_checkpoint_contexts, policy)
+        return checkpoint(fn, *args, use_reentrant=False, context_fn=context)
+
+    return checkpointed
+
+
+def main(recipe_name: str, definition: str, arch: str, padded: bool, mode: str) -> None:
+    compiled = mode == "compiled"
     dist.init_process_group("gloo")
     torch._dynamo.config.capture_scalar_outputs = True  # as TorchTitan's apply_compile sets it
     set_spmd_backend("full_dtensor")  # TorchTitan's functional-collective path (as under compile), no spmd_types mesh
@@ -81,7 +102,7 @@ def main(recipe_name: str, definition: str, arch: str, padded: bool, compiled: b
 
     results = {}
     for name, dispatcher in dispatchers.items():
-        fn = torch.compile(step, fullgraph=True, dynamic=True) if compiled else step
+        fn = {"compiled": torch.compile(step, fullgraph=True, dynamic=True), "sac": selective_ac(step)}.get(mode, step)
         x_, w_ = x.clone().requires_grad_(), w.clone().requires_grad_()
         # A dispatch mode cannot run under torch.compile: bytes are counted eager only.
         forward_bytes, backward_bytes = CollectiveBytes(), CollectiveBytes()
@@ -98,7 +119,7 @@ def main(recipe_name: str, definition: str, arch: str, padded: bool, compiled: b
     summary = {
         "recipe": recipe.describe(),
         "padded": padded,
-        "compiled": compiled,
+        "mode": mode,
         "bitwise_fp8_vs_copy_in_bf16": bitwise,
         "received_rows_differ_from_bf16_dispatch": differs_from_bf16,
         # The GEMM re-quantizes the received copy to the same values: forward and grad_input as
@@ -118,5 +139,5 @@ def main(recipe_name: str, definition: str, arch: str, padded: bool, compiled: b
 
 
 if __name__ == "__main__":
-    recipe_name, definition, arch, padded, compiled = sys.argv[1:6]
-    main(recipe_name, definition, arch, padded == "padded", compiled == "compiled")
+    recipe_name, definition, arch, padded, mode = sys.argv[1:6]
+    main(recipe_name, definition, arch, padded == "padded", mode)

@@ -127,6 +127,7 @@ def _routing(profile: DeviceProfile) -> list[dict]:
                         "reason": str(e),
                         "passed_over": [{"backend": name, "reason": why} for name, why in e.passed_over],
                         "expert_parallel": None,
+                        "fp8_dispatch": None,
                     }
                 )
                 continue
@@ -139,9 +140,16 @@ def _routing(profile: DeviceProfile) -> list[dict]:
                     "reason": decision.reason,
                     "passed_over": [{"backend": name, "reason": why} for name, why in decision.passed_over],
                     "expert_parallel": decision.recipe.expert_parallel_scope() if op == "grouped_mm" else None,
+                    "fp8_dispatch": _fp8_dispatch(decision.recipe) if op == "grouped_mm" else None,
                 }
             )
     return rows
+
+
+def _fp8_dispatch(recipe) -> str:
+    """What the fp8_dispatch option does for ``recipe``'s routed tokens under expert parallelism."""
+    refusal = recipe.fp8_dispatch_refusal
+    return f"in the activations' dtype: {refusal}" if refusal else "in FP8 (payload + scales of its activation cast)"
 
 
 def diagnose(device: str | None = None) -> dict:
@@ -232,6 +240,8 @@ def render(diagnosis: dict) -> str:
             f"  {r['recipe']} ({r['backend']}, {r['definition']} definition): {r['expert_parallel']}"
             for r in expert_parallel
         ]
+        lines += ["", "grouped_mm token dispatch with fp8_dispatch on (under expert parallelism):"]
+        lines += [f"  {r['recipe']}: {r['fp8_dispatch']}" for r in expert_parallel]
     if passed_over:
         lines += ["", "why backends were passed over:"]
         lines += [f"  [{n}] {name}: {why}" for (name, why), n in note.items()]
