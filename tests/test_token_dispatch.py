@@ -322,3 +322,20 @@ def test_trainer_fp8_dispatch_on_torchao_rowwise_is_its_definition_sent_in_fp8(t
     assert on == copy and sorted(on) == [1, 2, 3]
     print(f"FP8 dispatch {on}, dispatch off {off}")
     assert_losses_within(on, off, 0.001)
+
+
+def test_bench_models_expert_parallel_traffic_for_deepseek_v3():
+    """The model bench prints: DeepSeek-V3-671B (58 MoE layers, dim 7168, top-8) at EP 8 and 64.
+    Checked by hand: 4096 tokens x 8 x (EP-1)/EP x 58 layers rows cross; bf16 rows are 14336
+    bytes, FP8 rowwise ones 7172 (payload + a float32 scale), mxfp8 ones 7392 (+ 224 E8M0 bytes)."""
+    from titan_primus.cli.ep_traffic import ep_traffic_rows, render_ep_traffic
+
+    rows = {r["ep"]: r for r in ep_traffic_rows()}
+    assert sorted(rows) == [8, 64] and rows[8]["moe_layers"] == 58
+    crossing = 4096 * 8 * 7 / 8 * 58
+    assert rows[8]["bf16_dispatch_bytes"] == crossing * 14336
+    assert rows[8]["rowwise_dispatch_bytes"] == crossing * 7172
+    assert rows[64]["mxfp8_dispatch_ratio"] == pytest.approx(7392 / 14336)
+    assert rows[64]["rowwise_step_ratio"] == pytest.approx((7172 + 3 * 14336) / (4 * 14336))
+    text = render_ep_traffic()
+    assert "MODEL, computed from shapes" in text and "| EP 64" in text and "0.500x" in text

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from .. import registry
 from ..device import DeviceProfile, detect_device
 from .doctor import describe_error, environment, why_not
+from .ep_traffic import ep_traffic_rows, render_ep_traffic
 from .fsdp_traffic import render_traffic, traffic_rows
 from .sentinel_cost import render_sentinel_cost, sentinel_cost
 from .report import document, markdown_table, prepare_output, skip_lines, write_document
@@ -312,7 +313,8 @@ def command(
     fsdp_ranks: int = 8,
 ) -> int:
     """Measure, print, write ``json_path``; 1 when a backend raised. Also prints the modelled
-    FSDP2 all-gather traffic on ``fsdp_ranks`` ranks with and without FP8 all-gather."""
+    FSDP2 all-gather traffic on ``fsdp_ranks`` ranks with and without FP8 all-gather, and the
+    modelled expert-parallel all-to-all traffic with and without FP8 token dispatch."""
     profile = detect_device()
     prepare_output(json_path)
     shapes = (LINEAR_SHAPES[0], GROUPED_SHAPES[0]) if quick else (*LINEAR_SHAPES, *GROUPED_SHAPES)
@@ -330,6 +332,7 @@ def command(
     cost = sentinel_cost(shapes, recipes[0], timing, profile, _step, _time_ms)
     out.write("\n" + render_sentinel_cost(cost))
     out.write("\n" + render_traffic(fsdp_ranks))
+    out.write("\n" + render_ep_traffic())
     counts = Counter(r["status"] for r in rows)
     if json_path:
         found = peak_for(profile.name)
@@ -343,6 +346,7 @@ def command(
             "peak": {"device": found[0], "fp8_tflops": found[1].fp8, "bf16_tflops": found[1].bf16} if found else None,
             "note": note,
             "fsdp_all_gather_model": traffic_rows(fsdp_ranks),
+            "ep_all_to_all_model": ep_traffic_rows(),
             "sentinel_cost": cost,
         }
         summary = {status: counts[status] for status in ("ok", "error", "skipped")}
