@@ -174,7 +174,8 @@ EP2 = (
 FP8_DISPATCH = "--titan_primus.fp8_dispatch"
 # TorchAO's rowwise with FP8 dispatch, against it off: the w1/w3 weight gradients cast the FP8 copy,
 # which with power-of-two row scales differs from casting the bf16 tokens only where an element
-# is FP8-subnormal. Measured 2026-12-01 (3 steps): equal to the 5 decimals the trainer prints.
+# is FP8-subnormal. Measured 2026-12-01: equal to the 5 decimals the trainer prints over these 3
+# steps; over 10 steps equal through step 8, then at most 1.2e-4 apart (step 9: 6.27557 vs 6.27482).
 TORCHAO_ROWWISE_BOUND = 1e-5
 
 
