@@ -65,6 +65,16 @@ def test_block_recipes_are_accepted_from_the_command_line(recipe):
     assert converter.router.options.recipe == recipe
 
 
+def test_fp8_dispatch_is_read_from_the_section_and_the_command_line(tmp_path):
+    toml = (EXAMPLES / "deepseek_v3_debug_fp8.toml").read_text()
+    assert "fp8_dispatch = false" in toml
+    (tmp_path / "dispatch.toml").write_text(toml.replace("fp8_dispatch = false", "fp8_dispatch = true"))
+    config = ConfigManager().parse_args(["--job.config_file", str(tmp_path / "dispatch.toml")])
+    assert config.titan_primus.fp8_dispatch is True
+    assert parse("--titan_primus.fp8_dispatch").titan_primus.fp8_dispatch is True
+    assert parse().titan_primus.fp8_dispatch is False
+
+
 def test_unknown_option_in_the_section_is_refused_by_torchtitan(tmp_path):
     toml = (EXAMPLES / "llama3_debug_fp8.toml").read_text().replace('recipe = "rowwise"', 'recipes = "rowwise"')
     (tmp_path / "bad.toml").write_text(toml)
@@ -79,6 +89,7 @@ def test_unknown_option_in_the_section_is_refused_by_torchtitan(tmp_path):
         ({"recipe": "delayed"}, "unknown FP8 recipe 'delayed'; choose one of tensorwise, rowwise, rowwise_with_gw_hp"),
         ({"backend": "cublas"}, "unknown FP8 backend 'cublas'; registered backends: primus_turbo, torchao, emulated"),
         ({"strict": "yes"}, "'strict' must be true or false"),
+        ({"fp8_dispatch": "true"}, "'fp8_dispatch' must be true or false"),
         ({"device": "mi300x"}, "unknown device profile 'mi300x'; known profiles: cpu, sm80"),
     ],
 )

@@ -41,9 +41,12 @@ def parallel_dims(world_size: int = 1, **degrees) -> ParallelDims:
     return ParallelDims(**dims, world_size=world_size)
 
 
-def convert(model: torch.nn.Module, dims: ParallelDims | None = None, **options) -> Float8Converter:
-    """Run the converter as TorchTitan does, with ``options`` as the [titan_primus] section."""
-    job_config = SimpleNamespace(titan_primus=ConversionOptions(**options))
+def convert(
+    model: torch.nn.Module, dims: ParallelDims | None = None, *, job: dict | None = None, **options
+) -> Float8Converter:
+    """Run the converter as TorchTitan does, with ``options`` as the [titan_primus] section;
+    ``job``: other sections of the job config (e.g. ``{"model": SimpleNamespace(name=...)}``)."""
+    job_config = SimpleNamespace(titan_primus=ConversionOptions(**options), **(job or {}))
     converter = Float8Converter(job_config, dims or parallel_dims())
     converter.convert(model)
     return converter

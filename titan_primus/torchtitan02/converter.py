@@ -22,8 +22,11 @@ from ..conversion import (
     keep_fp8_cast_rounding_under_inductor,
 )
 from ..fsdp_fp8 import fp8_all_gather_plan, precompute_fp8_weight_amaxes
+from ..recipes import with_fp8_dispatch
 from ..sentinel import COMPILE_UNSUPPORTED, SentinelLayer, drive_trainer, watch
+from ..token_dispatch import fp8_dispatch_cast
 from .modules import Fp8GroupedExperts, Fp8Linear
+from .token_dispatch import install_fp8_expert_parallel
 
 __all__ = ["CONVERTER_NAME", "Float8Converter"]
 
@@ -71,7 +74,8 @@ class Float8Converter:
     ``[titan_primus]`` section (:class:`~titan_primus.conversion.ConversionOptions`).
     Parallelisms that would change the FP8 numerics (tensor parallelism; expert parallelism with
     scales across experts that the recipe does not define over a rank's experts) are refused at
-    conversion, before the first step.
+    conversion, before the first step. With ``fp8_dispatch`` under expert parallelism the model's
+    parallelize function builds :class:`~.token_dispatch.Fp8ExpertParallel` for its experts.
     """
 
     def __init__(self, job_config, parallel_dims):
@@ -81,6 +85,9 @@ class Float8Converter:
         self.sentinel = self.router.options.sentinel()
         # TorchTitan's job config names the model (its train spec); partial ones may not.
         self.model_name = getattr(getattr(job_config, "model", None), "name", None)
+        # 0.2.1+: "deepep" moves the tokens with DeepEP's kernels, not ExpertParallel's all-to-all.
+        parallelism = getattr(job_config, "parallelism", None)
+        self.ep_comm_backend = getattr(parallelism, "expert_parallel_comm_backend", "standard")
         keep_fp8_cast_rounding_under_inductor()
         if self.sentinel:
             if _model_compiled(job_config):
@@ -133,7 +140,36 @@ class Float8Converter:
             # TorchTitan 0.2 pads token groups to one global multiple (its EP dispatch reads it too).
             set_token_group_alignment_size_m(alignment)
         plan = self._all_gather_plan("grouped_mm", decision)
-        self._place(model, fqn, Fp8GroupedExperts.from_experts(experts, decision, alignment, plan))
+        recipe, cast = decision.recipe, None
+        if self.router.token_dispatch(fqn, recipe, unsupported=self._fp8_dispatch_transport(recipe)):
+            recipe = with_fp8_dispatch(recipe)
+            cast = fp8_dispatch_cast(recipe)
+        fp8 = Fp8GroupedExperts.from_experts(experts, decision, alignment, plan, recipe=recipe, dispatch_cast=cast)
+        self._place(model, fqn, fp8)
+
+    def _fp8_dispatch_transport(self, recipe) -> str | None:
+        """Why the routed tokens of experts running ``recipe`` cannot cross the EP all-to-all in
+        FP8 here; None where they can, or where the recipe itself refuses (the router reports
+        that). Without expert parallelism the experts take the FP8 copy themselves."""
+        if not self.router.options.fp8_dispatch or recipe.fp8_dispatch_refusal is not None:
+            return None
+        return self._expert_parallel_dispatch_refusal if self.parallel_dims.ep > 1 else None
+
+    @functools.cached_property
+    def _expert_parallel_dispatch_refusal(self) -> str | None:
+        """Under expert parallelism: installs Fp8ExpertParallel in the model's parallelize
+        function (once), or says why it cannot."""
+        if self.ep_comm_backend != "standard":
+            return (
+                f"TorchTitan's expert_parallel_comm_backend {self.ep_comm_backend!r} moves the tokens with its own "
+                f'kernels; FP8 dispatch runs on ExpertParallel\'s all-to-all ("standard")'
+            )
+        if not self.model_name:
+            return (
+                "the job config names no model ([model] name), so the converter cannot reach the "
+                "ExpertParallel of its parallelize function"
+            )
+        return install_fp8_expert_parallel(self.model_name)
 
     def _place(self, model: nn.Module, fqn: str, fp8: nn.Module) -> None:
         """Swap ``fp8`` in at ``fqn``, under the numerics sentinel when it is on."""

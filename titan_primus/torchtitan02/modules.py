@@ -16,7 +16,9 @@ from torchtitan.models.moe.utils import indices_padding_wrapper
 
 from ..fsdp_fp8 import Fp8AllGatherPlan, enable_fp8_all_gather
 from ..ops import run_linear
+from ..recipes import Fp8Recipe
 from ..routing import RoutingDecision
+from ..token_dispatch import DispatchCast, fp8_copy
 
 __all__ = ["Fp8Linear", "Fp8GroupedExperts"]
 
@@ -57,7 +59,15 @@ class Fp8GroupedExperts(GroupedExperts):
     token groups are padded only for a backend that needs aligned groups (TorchTitan pads them
     for ``torch._grouped_mm``; padding rows are zeros and change no result), and the experts
     always run grouped (``use_grouped_mm=False`` only picks TorchTitan's high-precision loop).
+
+    With FP8 token dispatch (``fp8_dispatch_cast``) the experts take the FP8 copy of their input:
+    under expert parallelism ``Fp8ExpertParallel``'s all-to-all delivers it, without it the
+    forward takes it (``fp8_copy``), so both compute the same.
     """
+
+    fp8_dispatch_cast: DispatchCast | None = None
+    fp8_dispatch_installed: bool = False
+    """Set by ``Fp8ExpertParallel`` when it parallelises this module."""
 
     @classmethod
     def from_experts(
@@ -66,13 +76,19 @@ class Fp8GroupedExperts(GroupedExperts):
         decision: RoutingDecision,
         group_alignment: int | None,
         all_gather: Fp8AllGatherPlan | None = None,
+        *,
+        recipe: Fp8Recipe | None = None,
+        dispatch_cast: DispatchCast | None = None,
     ):
-        """``all_gather``: FSDP2 gathers w1/w2/w3 as FP8 per this plan (None: bf16)."""
+        """``all_gather``: FSDP2 gathers w1/w2/w3 as FP8 per this plan (None: bf16);
+        ``recipe``: instead of the decision's (FP8 token dispatch); ``dispatch_cast``: the cast the
+        routed tokens arrive in (FP8 token dispatch; None: in the activations' dtype)."""
         num_experts, hidden_dim, dim = experts.w1.shape
         with torch.device("meta"):
             fp8 = cls(dim, hidden_dim, num_experts, experts.use_grouped_mm)
         fp8.w1, fp8.w2, fp8.w3 = experts.w1, experts.w2, experts.w3
-        fp8.fp8_backend, fp8.fp8_recipe = decision.backend, decision.recipe
+        fp8.fp8_backend, fp8.fp8_recipe = decision.backend, recipe or decision.recipe
+        fp8.fp8_dispatch_cast = dispatch_cast
         fp8.pad_token_groups = group_alignment is not None
         if all_gather is not None:
             for name in ("w1", "w2", "w3"):
@@ -82,10 +98,20 @@ class Fp8GroupedExperts(GroupedExperts):
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         # DTensor parameters become local tensors, as in GroupedExperts: EP inputs are dynamic-shape.
         w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
-        run = self._run_grouped
+        run, expert_parallel = self._run_grouped, _expert_parallel(self.w1)
+        if self.fp8_dispatch_cast is not None:
+            if not expert_parallel:  # no all-to-all: the same FP8 copy it would deliver
+                x = fp8_copy(x, self.fp8_dispatch_cast)
+            elif not self.fp8_dispatch_installed:
+                raise RuntimeError(
+                    "titan-primus: these experts run under expert parallelism with FP8 token dispatch, but "
+                    "TorchTitan's ExpertParallel, not titan-primus's Fp8ExpertParallel, parallelised them, so "
+                    "the tokens crossed the all-to-all in the activations' dtype. Parallelise the model with "
+                    "its train spec's parallelize function, or set [titan_primus] fp8_dispatch = false."
+                )
         # Pad token groups only for a backend that needs aligned groups (the converter has set
         # TorchTitan's alignment to its multiple). Under EP the token dispatch already pads them.
-        if self.pad_token_groups and not _expert_parallel(self.w1):
+        if self.pad_token_groups and not expert_parallel:
             run = indices_padding_wrapper(run)
         return run(w1, w2, w3, x, num_tokens_per_expert)
 
