@@ -29,7 +29,9 @@ def fp8_dispatch_probe(model_config: BaseModel.Config, **converter_options) -> B
         packed = pack(x, cast)
         if not printing_pack.printed:
             printing_pack.printed = True
-            print(f"PACKED {packed.dtype} {packed.shape[0]}x{packed.shape[1]} from {x.dtype} {tuple(x.shape)}", flush=True)
+            print(
+                f"PACKED {packed.dtype} {packed.shape[0]}x{packed.shape[1]} from {x.dtype} {tuple(x.shape)}", flush=True
+            )
         return packed
 
     printing_pack.printed = False

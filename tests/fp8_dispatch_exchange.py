@@ -74,8 +74,11 @@ def main(recipe_name: str, definition: str, arch: str, padded: bool, mode: str) 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))
     recipe = tp.make_recipe(recipe_name, definition, device_profile(arch))
     experts, top_k, dim, hidden, tokens = 8, 2, 256, 128, 96
-    base = (TorchAOTokenDispatcher.Config(num_experts=experts, top_k=top_k, pad_multiple=32) if padded
-            else AllToAllTokenDispatcher.Config(num_experts=experts, top_k=top_k))
+    base = (
+        TorchAOTokenDispatcher.Config(num_experts=experts, top_k=top_k, pad_multiple=32)
+        if padded
+        else AllToAllTokenDispatcher.Config(num_experts=experts, top_k=top_k)
+    )
     cast = fp8_dispatch_cast(recipe)
     dispatchers = {"bf16": base.build(), "fp8": fp8_dispatcher_config(base, cast).build()}
     reference = fp8_dispatcher_config(base, cast)

@@ -122,6 +122,18 @@ def test_doctor_says_what_the_expert_scales_cover_under_expert_parallelism(capsy
     assert rows["linear", "rowwise"] is None and rows["grouped_mm", "tensorwise"].startswith("scales spanning")
 
 
+def test_doctor_says_how_fp8_dispatch_sends_each_recipes_tokens(capsys, monkeypatch):
+    monkeypatch.setenv("TITAN_PRIMUS_BACKEND", "emulated")
+    code, out, _ = run_cli(capsys, "doctor", "--device", "gfx942")
+    section = out.split("token dispatch with fp8_dispatch on")[1].split("\n\n")[0]
+    assert "rowwise: in FP8 (payload + scales of its activation cast)" in section
+    assert "tensorwise: in the activations' dtype: its activation scale spans every routed token" in section
+    assert "blockwise: in the activations' dtype: its tile scales are not powers of two" in section
+    code, out, _ = run_cli(capsys, "doctor", "--json", "--device", "gfx942")
+    rows = {(r["op"], r["recipe"]): r["fp8_dispatch"] for r in json.loads(out)["routing"]}
+    assert rows["linear", "rowwise"] is None and rows["grouped_mm", "rowwise"].startswith("in FP8")
+
+
 def test_doctor_reports_a_missing_torchtitan_in_one_line(capsys, monkeypatch):
     from importlib import metadata
 

@@ -56,7 +56,9 @@ def test_which_recipes_send_their_tokens_in_fp8_is_recipe_data():
                 assert with_fp8_dispatch(recipe).describe().endswith(", FP8 token dispatch)")
                 continue
             assert recipe.fp8_dispatch_refusal, (name, definition)
-            with pytest.raises(ValueError, match=f"no FP8 token dispatch for {name}.*: {re.escape(recipe.fp8_dispatch_refusal)}"):
+            with pytest.raises(
+                ValueError, match=f"no FP8 token dispatch for {name}.*: {re.escape(recipe.fp8_dispatch_refusal)}"
+            ):
                 with_fp8_dispatch(recipe)
     assert "spans every routed token" in _recipe("tensorwise", "torchao", "sm90").fp8_dispatch_refusal
     assert "2.3 dB" in _recipe("blockwise", "primus_turbo", "gfx942").fp8_dispatch_refusal
@@ -80,7 +82,9 @@ def test_the_dispatched_copy_is_the_grouped_gemms_own_activation_cast(name, defi
     rows = x.bfloat16()
     if name == "mxfp8":
         cells = cells_of(tuple(rows.shape), (1, 32), rows.device)
-        expected = dequantize_blocks(*quantize_blocks(rows, recipe.dtype(recipe.output.a), recipe.block_scale, cells), cells)
+        expected = dequantize_blocks(
+            *quantize_blocks(rows, recipe.dtype(recipe.output.a), recipe.block_scale, cells), cells
+        )
     else:
         expected = fake_quantize(rows, recipe.output.a, recipe, contract_dim=1)
     assert copy.dtype == dtype
@@ -185,7 +189,10 @@ def test_experts_forward_is_unchanged_and_weight_gradients_differ_in_subnormals_
             continue
         # Today's token cast of A; the new definition's two casts: the row cast that made the copy
         # and the token cast of the copy.
-        (payload, seen), (payload_copy, seen_copy) = _wgrad_token_cast(A, recipe, offs), _wgrad_token_cast(copy, recipe, offs)
+        (payload, seen), (payload_copy, seen_copy) = (
+            _wgrad_token_cast(A, recipe, offs),
+            _wgrad_token_cast(copy, recipe, offs),
+        )
         differ = seen != seen_copy
         subnormal = torch.zeros_like(differ)
         for p in (payload, payload_copy, cast.quantize(A)[0].float()):
@@ -193,14 +200,16 @@ def test_experts_forward_is_unchanged_and_weight_gradients_differ_in_subnormals_
         assert not (differ & ~subnormal).any(), f"{label}: {(differ & ~subnormal).sum()} normal elements differ"
         reference = reference_grouped(A, W, offs, grad_out)[2]
         change = sqnr(reference, dispatched[2]) - sqnr(reference, tokens[2])
-        print(f"{name} ({definition}) {label}: {differ.sum().item()} of {differ.numel()} wgrad token-cast elements differ "
-              f"(all FP8-subnormal in one cast); wgrad SQNR change {change:+.4f} dB")
+        print(
+            f"{name} ({definition}) {label}: {differ.sum().item()} of {differ.numel()} wgrad token-cast elements differ "
+            f"(all FP8-subnormal in one cast); wgrad SQNR change {change:+.4f} dB"
+        )
         assert abs(change) <= 0.01, label
 
 
 def _exchange(*args):
     out = torchrun_script("fp8_dispatch_exchange.py", *args)
-    return json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[len("RESULT "):])
+    return json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[len("RESULT ") :])
 
 
 @pytest.mark.multiprocess
@@ -297,8 +306,13 @@ def test_trainer_fp8_dispatch_compiled(primus_rowwise_eager, tmp_path):
     0.013% at step 3; bound 0.1%, compile's elsewhere (the README's)."""
     _, _, eager_off = primus_rowwise_eager
     compiled, log = _ep_run(
-        tmp_path, "compiled", "titan_primus.torchtitan.overrides.fp8", {**PRIMUS_ROWWISE, "fp8_dispatch": True},
-        "deepseek_v3_debugmodel", 3, "--compile.enable",
+        tmp_path,
+        "compiled",
+        "titan_primus.torchtitan.overrides.fp8",
+        {**PRIMUS_ROWWISE, "fp8_dispatch": True},
+        "deepseek_v3_debugmodel",
+        3,
+        "--compile.enable",
     )
     assert "Compiling each TransformerBlock with torch.compile" in log
     assert "EP token dispatch in FP8 payload + scales" in log
@@ -317,7 +331,9 @@ def test_trainer_fp8_dispatch_on_torchao_rowwise_is_its_definition_sent_in_fp8(t
     config = "qwen3_moe_debug"
     on, log = _ep_run(tmp_path, "on", "titan_primus.torchtitan.overrides.fp8", options, config)
     copy, _ = _ep_run(tmp_path, "copy", "dispatch_overrides.fp8_copy_in_bf16", options, config)
-    off, _ = _ep_run(tmp_path, "off", "titan_primus.torchtitan.overrides.fp8", {**options, "fp8_dispatch": False}, config)
+    off, _ = _ep_run(
+        tmp_path, "off", "titan_primus.torchtitan.overrides.fp8", {**options, "fp8_dispatch": False}, config
+    )
     assert "grouped experts: EP token dispatch in FP8 payload + scales" in log
     assert on == copy and sorted(on) == [1, 2, 3]
     print(f"FP8 dispatch {on}, dispatch off {off}")

@@ -39,7 +39,9 @@ def test_fp8_dispatched_tokens_change_nothing_on_primus_turbo():
     recipe = tp.make_recipe("rowwise", "primus_turbo", tp.device_profile(ARCH))
     g = torch.Generator().manual_seed(3)
     counts = [300, 0, 210, 150]
-    A = (torch.randn(sum(counts), 256, generator=g) * torch.exp(2 * torch.randn(sum(counts), 1, generator=g))).bfloat16()
+    A = (
+        torch.randn(sum(counts), 256, generator=g) * torch.exp(2 * torch.randn(sum(counts), 1, generator=g))
+    ).bfloat16()
     W = (torch.randn(4, 256, 256, generator=g) / 16).bfloat16()
     grad = torch.randn(sum(counts), 256, generator=g).bfloat16()
     turbo = tp.registry.get_backend("primus_turbo")

@@ -65,7 +65,14 @@ def render_ep_traffic(tokens_per_rank: int = TOKENS_PER_RANK) -> str:
         ]
         for r in ep_traffic_rows(tokens_per_rank)
     ]
-    headers = ["degree", "dispatch bf16", "dispatch FP8 rowwise", "dispatch FP8 mxfp8", "all 4 bf16", "all 4, FP8 dispatch"]
+    headers = [
+        "degree",
+        "dispatch bf16",
+        "dispatch FP8 rowwise",
+        "dispatch FP8 mxfp8",
+        "all 4 bf16",
+        "all 4, FP8 dispatch",
+    ]
     return (
         "\n".join(
             [

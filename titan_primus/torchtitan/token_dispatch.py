@@ -58,7 +58,7 @@ def fp8_dispatcher_config(dispatcher_config, cast: DispatchCast):
     if parent_cls is None or not issubclass(parent_cls, AllToAllTokenDispatcher):
         return (
             f"TorchTitan's {type(dispatcher_config).__qualname__} moves the tokens with its own kernels; "
-            f"FP8 dispatch runs on the all-to-all dispatcher (moe_comm_backend \"standard\")"
+            f'FP8 dispatch runs on the all-to-all dispatcher (moe_comm_backend "standard")'
         )
     if parent_cls in _DISPATCHER_CLASSES.values():
         parent_cls = parent_cls.__mro__[1]
