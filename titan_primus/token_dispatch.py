@@ -1,14 +1,15 @@
 """FP8 token dispatch for expert parallelism: routed tokens cross the EP all-to-all as the FP8
 payload and scales of the recipe's forward activation cast, packed into one byte tensor.
 
-A recipe qualifies when that cast is row-local (one scale per row, or per 1x32 / 1x128 tile
-along the hidden dimension) and re-quantizing its dequantized copy reproduces the same values:
+A recipe qualifies when that cast is row-local (one scale per row, or per 1x32 MX tile along
+the hidden dimension) and re-quantizing its dequantized copy reproduces the same values:
 then quantizing before the all-to-all gives the expert GEMMs' forward exactly what quantizing
 the received rows would. The receiving rank dequantizes the rows and the grouped GEMMs cast them
 as always, so every backend runs unchanged. What changes is the weight gradient of w1/w3: its
 token-dimension cast starts from the dispatched FP8 copy, as DeepSeek-V3 and Primus-Turbo's
-rowwise backward do (the recipe's ``grouped_wgrad_from_fp8_input``). Combine, and every
-gradient's all-to-all, stay in the activations' dtype.
+rowwise backward do (``Fp8Recipe.fp8_dispatch``; which recipes qualify, and why the others do
+not, is recipe data: ``Fp8Recipe.fp8_dispatch_refusal``). Combine, and every gradient's
+all-to-all, stay in the activations' dtype.
 
 :func:`fp8_copy` is that definition without the transport (expert parallelism of degree 1);
 :func:`fp8_all_to_all` is the transport. Nothing here synchronises with the host, so both trace
