@@ -136,8 +136,10 @@ test-oldest: $(STAMP_OLDEST)
 # folder above it that has one, as for the Primus-Turbo tier's sources); TORCHTITAN_NEXT overrides
 # the folder. Its own venv (torch 2.14.1, the wheel's dependencies from the registry), and the 0.3
 # adapter's converter, shapes, activation-checkpointing and trainer tests on it.
-TORCHTITAN_NEXT ?= $(shell d='$(CURDIR)'; while [ "$$d" != / ]; do d=$$(dirname "$$d"); \
-	if [ -d "$$d/shared/torchtitan-next" ]; then echo "$$d/shared/torchtitan-next"; break; fi; done)
+# A clone of a local checkout (a fresh clone in a temporary folder) looks beside that checkout too.
+TORCHTITAN_NEXT ?= $(shell for d in '$(CURDIR)' "$$(git -C '$(CURDIR)' config --get remote.origin.url)"; do \
+	[ -d "$$d" ] || continue; d=$$(cd "$$d" && pwd); while [ "$$d" != / ]; do d=$$(dirname "$$d"); \
+	if [ -d "$$d/shared/torchtitan-next" ]; then echo "$$d/shared/torchtitan-next"; exit 0; fi; done; done)
 VENV_TT_NEXT  := .venv-tt-next
 PY_TT_NEXT    := $(VENV_TT_NEXT)/bin/python
 STAMP_TT_NEXT := $(VENV_TT_NEXT)/.installed

@@ -3,7 +3,8 @@
 # folder that holds them, for TITAN_PRIMUS_TURBO_SOURCES. That is, in this order:
 #   - TITAN_PRIMUS_TURBO_SOURCES, where set;
 #   - shared/primus-turbo beside the checkout or beside the nearest folder above it that has one
-#     (tests/real_turbo/loader.py's default), where it holds every build;
+#     (tests/real_turbo/loader.py's default), where it holds every build; for a clone of a local
+#     checkout, then the same beside that checkout;
 #   - .primus-turbo/ in the checkout (ignored by git).
 # A build missing there is fetched from AMD-AGI/Primus-Turbo (TITAN_PRIMUS_TURBO_REPO overrides the
 # URL, e.g. for a mirror) at the commit pinned below, by full SHA, its primus_turbo/ folder only
@@ -28,18 +29,29 @@ holds_every_build() {
     done
 }
 
-sources=${TITAN_PRIMUS_TURBO_SOURCES:-}
-if [[ -z $sources ]]; then
-    sources=$PWD/.primus-turbo
-    dir=$PWD
+# shared/primus-turbo beside $1 or beside the nearest folder above it that has one, if it holds
+# every build.
+shared_beside() {
+    local dir=$1
     while [[ $dir != / ]]; do
         dir=$(dirname "$dir")
         if [[ -d $dir/shared/primus-turbo ]]; then
-            if holds_every_build "$dir/shared/primus-turbo"; then sources=$dir/shared/primus-turbo; fi
-            break
+            if holds_every_build "$dir/shared/primus-turbo"; then echo "$dir/shared/primus-turbo"; fi
+            return
         fi
     done
+}
+
+sources=${TITAN_PRIMUS_TURBO_SOURCES:-}
+if [[ -z $sources ]]; then
+    sources=$(shared_beside "$PWD")
 fi
+# A clone of a local checkout (a fresh clone in a temporary folder): beside the checkout it came from.
+origin=$(git config --get remote.origin.url 2>/dev/null || true)
+if [[ -z $sources && -d $origin ]]; then
+    sources=$(shared_beside "$(cd "$origin" && pwd)")
+fi
+sources=${sources:-$PWD/.primus-turbo}
 
 for pin in "${pins[@]}"; do
     build=${pin%%=*} commit=${pin#*=}
