@@ -12,7 +12,8 @@ import pytest
 
 import titan_primus as tp
 from titan_primus import cli
-from titan_primus.cli import bench, parity
+from titan_primus.cli.bench import command as bench
+from titan_primus.cli.parity import command as parity
 from titan_primus.backends.emulated import EmulatedBackend
 from titan_primus.hookspec import hookimpl
 from titan_primus.cli.report import SCHEMA_VERSION, load_document

@@ -14,8 +14,8 @@ import torch
 import titan_primus as tp
 from titan_primus import cli
 from titan_primus.cli import memory_audit
-from titan_primus.cli.memory_model import BF16, GemmMemory, estimate
-from titan_primus.cli.model_shapes import ARCHITECTURES
+from titan_primus.cli.bench.memory_model import BF16, GemmMemory, estimate
+from titan_primus.cli.bench.model_shapes import ARCHITECTURES
 
 
 @pytest.fixture(scope="module")

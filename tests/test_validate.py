@@ -17,8 +17,8 @@ import pytest
 
 from titan_primus.cli import build_parser
 from titan_primus.cli.report import load_document
-from titan_primus.cli.validate import conclude, judge
-from titan_primus.cli.validate_report import render_validate_markdown
+from titan_primus.cli.validate.command import conclude, judge
+from titan_primus.cli.validate.report import render_validate_markdown
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import corrupt_backend  # noqa: E402

@@ -14,7 +14,7 @@ import corrupt_backend  # tests/ (conftest puts it on the path)
 import pytest
 
 from titan_primus.cli.report import load_document
-from titan_primus.cli.validate import conclude
+from titan_primus.cli.validate.command import conclude
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICK_STEPS = 20
@@ -109,8 +109,8 @@ def test_the_mi300x_job_validates_a_toml_this_line_takes():
     import shlex
 
     from titan_primus.cli import build_parser
-    from titan_primus.cli.validate import plans
-    from titan_primus.cli.validate_lines import CONVERTER_ENV, Line02
+    from titan_primus.cli.validate.command import plans
+    from titan_primus.cli.validate.lines import CONVERTER_ENV, Line02
 
     script = (ROOT / "ci" / "mi300x-image.sh").read_text().splitlines()
     (line,) = [s for s in script if "ci/validate.sh" in s and not s.startswith("#")]
@@ -134,8 +134,8 @@ def test_a_stock_toml_gets_the_converter_in_the_fp8_runs_only(fp8, tmp_path, mon
     recipe validate was given), the bf16 runs without it; the TOML's other converters stay."""
     from torchtitan.config import ConfigManager
 
-    from titan_primus.cli.validate import ConfigPlan
-    from titan_primus.cli.validate_lines import CONVERTER_ENV, Line02
+    from titan_primus.cli.validate.command import ConfigPlan
+    from titan_primus.cli.validate.lines import CONVERTER_ENV, Line02
 
     text = (ROOT / TOML).read_text()
     start, end = text.index("\n[titan_primus]"), text.index("\n[optimizer]")

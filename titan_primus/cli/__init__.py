@@ -1,5 +1,8 @@
 """``titan-primus``: the command line. Parses arguments only; each subcommand lives in its own
-module (doctor, parity, bench, validate, report), imported when it runs.
+module or folder, imported when it runs: ``doctor.py``, ``report.py``, and one folder per
+command with helpers, whose ``command.py`` is its entry: ``parity/`` (with ``--replay``),
+``bench/`` (with ``--memory`` and the traffic and memory models), ``validate/`` (the trainer
+line, the launcher inside the trainer, the verdicts, the report).
 
 Exit codes: 0 success; 1 a parity case failed, a required backend did not run, or a validate
 verdict failed; 2 bad usage
@@ -210,15 +213,15 @@ def main(argv: list[str] | None = None) -> int:
 
             return doctor.command(args.device, args.json, sys.stdout)
         if args.command == "parity" and args.replay:
-            from . import replay
+            from .parity import replay
 
             return replay.command(args.replay, args.device, args.json, sys.stdout)
         if args.command == "parity":
-            from . import parity
+            from .parity import command as parity
 
             return parity.command(args.device, args.quick, args.require, args.json, sys.stdout, sys.stderr)
         if args.command == "bench" and args.memory:
-            from . import memory_audit
+            from .bench import memory_audit
 
             return memory_audit.command(
                 args.recipe or list(RECIPE_NAMES),
@@ -231,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.device,
             )
         if args.command == "bench":
-            from . import bench
+            from .bench import command as bench
 
             if args.device:
                 raise ValueError("bench --device goes with --memory: the timings run on this machine's device")
@@ -247,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
                 fsdp_ranks=args.fsdp_ranks,
             )
         if args.command == "validate":
-            from . import validate
+            from .validate import command as validate
 
             return validate.command(args, sys.argv[1:] if argv is None else argv, sys.stdout)
         from . import report

@@ -376,7 +376,7 @@ def command(paths: list[str], png: str | None, out) -> int:
     labelled = [(_label(p, doc), doc) for p, doc in ((p, load_document(p)) for p in paths)]
     validate = [(Path(p).name, doc) for p, (_, doc) in zip(paths, labelled) if doc["kind"] == "validate"]
     if validate:  # validate files render on their own: verdicts, runs, curves
-        from .validate_report import plot_validate_png, render_validate_markdown
+        from .validate.report import plot_validate_png, render_validate_markdown
 
         if len(validate) < len(labelled):
             raise ResultsFileError("validate files are rendered on their own: give them without parity/bench files")

@@ -30,14 +30,14 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from .. import registry
-from ..device import DeviceProfile, detect_device
-from .doctor import describe_error, environment, why_not
+from ... import registry
+from ...device import DeviceProfile, detect_device
+from ..doctor import describe_error, environment, why_not
 from .ep_traffic import ep_traffic_rows, render_ep_traffic
 from .fsdp_traffic import render_traffic, traffic_rows
 from .sentinel_cost import render_sentinel_cost, sentinel_cost
-from .report import document, markdown_table, prepare_output, skip_lines, write_document
-from ..routing import RoutingDecision, select_backend
+from ..report import document, markdown_table, prepare_output, skip_lines, write_document
+from ...routing import RoutingDecision, select_backend
 
 __all__ = [
     "DATASHEET_PEAKS",

@@ -11,7 +11,7 @@ bf16: 2 bytes per element. FP8 token dispatch changes the forward dispatch only:
 its FP8 payload (1 byte per element) plus its scales (rowwise: one float32; mxfp8: one E8M0
 byte per 32 elements). Token counts (a few bytes per expert) are left out.
 
-Shapes: :mod:`titan_primus.cli.model_shapes` (TorchTitan 0.3.0's DeepSeek-V3-671B: 58 MoE
+Shapes: :mod:`titan_primus.cli.bench.model_shapes` (TorchTitan 0.3.0's DeepSeek-V3-671B: 58 MoE
 layers, dim 7168, 256 experts, top-8).
 """
 
@@ -51,7 +51,7 @@ def ep_traffic_rows(tokens_per_rank: int = TOKENS_PER_RANK) -> list[dict]:
 
 
 def render_ep_traffic(tokens_per_rank: int = TOKENS_PER_RANK) -> str:
-    from .formatting import markdown_table
+    from ..formatting import markdown_table
 
     gib = 2**30
     table = [
@@ -77,7 +77,7 @@ def render_ep_traffic(tokens_per_rank: int = TOKENS_PER_RANK) -> str:
         "\n".join(
             [
                 f"Expert-parallel all-to-all traffic per step and rank, {MODEL}, {tokens_per_rank} tokens per rank, "
-                f"uniform routing (MODEL, computed from shapes; see titan_primus/cli/ep_traffic.py), GiB sent:",
+                f"uniform routing (MODEL, computed from shapes; see titan_primus/cli/bench/ep_traffic.py), GiB sent:",
                 "FP8 dispatch (fp8_dispatch) changes the forward dispatch only; combine and both gradients stay bf16",
                 markdown_table(headers, table),
             ]

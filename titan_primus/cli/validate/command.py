@@ -11,7 +11,7 @@ examples/cpu_launch.py, the debug models on the shipped corpus) four times on th
 - ``last_bit_floor``: the FP8 run with the lowest bit of every initial weight flipped: how far a
   numerically trivial change moves the same run.
 
-Verdicts (validate_verdicts.py): every loss and grad norm finite, every run complete; FP8's loss
+Verdicts (verdicts.py): every loss and grad norm finite, every run complete; FP8's loss
 over the last window and its whole curve within ``--seed-factor`` times the seed floor of bf16's;
 no more grad-norm spikes bf16 lacks than the seed floor has. With ``--baseline`` (an earlier validate JSON): each run's
 loss curve within ``--last-bit-factor`` times the last-bit floor of the baseline's, tokens/s not
@@ -34,16 +34,16 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .validate_lines import TrainerLine, trainer_line
-from .validate_verdicts import Verdict, curve_gaps, finite_problems, grad_norm_spikes, median_tps, peak_memory
+from .lines import TrainerLine, trainer_line
+from .verdicts import Verdict, curve_gaps, finite_problems, grad_norm_spikes, median_tps, peak_memory
 
 __all__ = ["ConfigPlan", "ROLES", "command", "compare_with_baseline", "conclude", "judge", "plans"]
 
 ROLES = ("bf16", "fp8", "seed_floor", "last_bit_floor")
-REPO = Path(__file__).resolve().parents[2]
-LAUNCH_SCRIPT = Path(__file__).resolve().with_name("validate_launch.py")
+REPO = Path(__file__).resolve().parents[3]
+LAUNCH_SCRIPT = Path(__file__).resolve().with_name("launch.py")
 
-# CPU defaults (the configs and steps are the line's: validate_lines.py).
+# CPU defaults (the configs and steps are the line's: lines.py).
 CPU_SEQ_LEN, CPU_QUICK_SEQ_LEN, CPU_BATCH = 256, 128, 2
 
 
@@ -389,10 +389,10 @@ def conclude(doc: dict, baseline: dict | None, baseline_path: str | None, last_b
 def _environment() -> dict:
     import torch
 
-    from ..adapter_import import installed_version
-    from ..backends.primus_turbo.release import describe_build
-    from ..device import detect_device
-    from .doctor import environment
+    from ...adapter_import import installed_version
+    from ...backends.primus_turbo.release import describe_build
+    from ...device import detect_device
+    from ..doctor import environment
 
     env = environment(detect_device())
     if torch.cuda.is_available():
@@ -428,8 +428,8 @@ def _finite_json(value):
 def command(args, argv: list[str], out) -> int:
     import torch
 
-    from .report import document, load_document, prepare_output, write_document
-    from .validate_report import plot_validate_png, render_validate_markdown
+    from ..report import document, load_document, prepare_output, write_document
+    from .report import plot_validate_png, render_validate_markdown
 
     line = trainer_line()
     on_gpu = torch.cuda.is_available()

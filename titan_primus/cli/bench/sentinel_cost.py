@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import sentinel
-from ..routing import BackendUnavailableError, select_backend
-from ..sentinel import SentinelOptions, WatchedBackend
-from .report import markdown_table
+from ... import sentinel
+from ...routing import BackendUnavailableError, select_backend
+from ...sentinel import SentinelOptions, WatchedBackend
+from ..report import markdown_table
 
 __all__ = ["render_sentinel_cost", "sentinel_cost"]
 

@@ -33,10 +33,10 @@ from itertools import combinations
 import torch
 from tqdm import tqdm
 
-from .. import registry
-from ..device import DeviceProfile, device_profile
-from .doctor import describe_error, environment, resolve_profile, why_not
-from ..numerics import (
+from ... import registry
+from ...device import DeviceProfile, device_profile
+from ..doctor import describe_error, environment, resolve_profile, why_not
+from ...numerics import (
     E4M3_BAR_DB,
     E5M2_BAR_DB,
     HIGH_PRECISION_BAR_DB,
@@ -51,9 +51,9 @@ from ..numerics import (
     run_linear,
     sqnrs,
 )
-from ..ops import fp8_grouped_mm, fp8_linear
-from ..recipes import RECIPE_NAMES, Fp8Recipe
-from .report import (
+from ...ops import fp8_grouped_mm, fp8_linear
+from ...recipes import RECIPE_NAMES, Fp8Recipe
+from ..report import (
     db_value,
     document,
     format_db,
@@ -62,7 +62,7 @@ from .report import (
     skip_lines,
     write_document,
 )
-from ..routing import BackendUnavailableError, select_backend
+from ...routing import BackendUnavailableError, select_backend
 
 __all__ = [
     "DEFAULT_CASES",

@@ -13,7 +13,7 @@ and expert block, router gates kept in high precision); embeddings, norms and ro
 stay bf16. Expert weights sharded on dim 0 (TorchTitan's choice while the FSDP degree is at
 most the number of experts; beyond it, rowwise expert weights are gathered in bf16).
 
-Shapes: :mod:`titan_primus.cli.model_shapes` (TorchTitan 0.3.0's Llama3-8B/70B/405B and
+Shapes: :mod:`titan_primus.cli.bench.model_shapes` (TorchTitan 0.3.0's Llama3-8B/70B/405B and
 DeepSeek-V3-671B).
 """
 
@@ -80,7 +80,7 @@ def traffic_rows(ranks: int) -> list[dict]:
 
 
 def render_traffic(ranks: int) -> str:
-    from .report import markdown_table
+    from ..report import markdown_table
 
     gib = 2**30
     table = [
@@ -97,7 +97,7 @@ def render_traffic(ranks: int) -> str:
         "\n".join(
             [
                 f"FSDP2 all-gather traffic per step and rank on {ranks} ranks (MODEL, computed from shapes; "
-                f"see titan_primus/cli/fsdp_traffic.py), GiB:",
+                f"see titan_primus/cli/bench/fsdp_traffic.py), GiB:",
                 "rowwise applies to the Primus-Turbo v0.3.1+ definition only; other rowwise definitions gather in bf16",
                 markdown_table(["model", "params FP8-gathered", "bf16", "FP8 tensorwise", "FP8 rowwise"], table),
             ]

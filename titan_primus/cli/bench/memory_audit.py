@@ -21,15 +21,15 @@ from collections import Counter
 import torch
 import torch.nn.functional as F
 
-from .. import registry
-from ..backends.base import OPS
-from ..device import DeviceProfile
-from ..fsdp_fp8 import fp8_all_gather_plan
-from ..memory import AUDIT_SHAPES, CATEGORIES, audit_layer
-from ..routing import select_backend
-from .doctor import describe_error, environment, resolve_profile, why_not
+from ... import registry
+from ...backends.base import OPS
+from ...device import DeviceProfile
+from ...fsdp_fp8 import fp8_all_gather_plan
+from ...memory import AUDIT_SHAPES, CATEGORIES, audit_layer
+from ...routing import select_backend
+from ..doctor import describe_error, environment, resolve_profile, why_not
 from .memory_model import ASSUMPTIONS, BF16, GemmMemory, estimate_rows
-from .report import document, markdown_table, prepare_output, skip_lines, write_document
+from ..report import document, markdown_table, prepare_output, skip_lines, write_document
 
 __all__ = ["audit_rows", "command", "gemm_memory_columns", "gpu_peak_rows", "render"]
 

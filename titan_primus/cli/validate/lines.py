@@ -2,7 +2,7 @@
 torchtitan version (:func:`trainer_line`); the runs, verdicts, JSON and report are the same.
 
 Per line: the configs of the CPU defaults, the trainer arguments of a run (how the FP8 runs get
-the converter), the CPU launcher, and, inside the trainer process (validate_launch.py), where the
+the converter), the CPU launcher, and, inside the trainer process (launch.py), where the
 per-step metrics are captured, where the converter's routing summary is read, where the initial
 weights get their last-bit flip, and how the trainer is started.
 
@@ -23,7 +23,7 @@ from pathlib import Path
 
 __all__ = ["Line02", "Line03", "TrainerLine", "trainer_line"]
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 ASSETS = REPO / "examples" / "assets"
 # On 0.2.x, whether a run trains with titan-primus's converter (set by validate for every run).
 CONVERTER_ENV = "TITAN_PRIMUS_VALIDATE_CONVERTER"
@@ -271,7 +271,7 @@ class Line02(TrainerLine):
 
 def trainer_line() -> TrainerLine:
     """The line of the installed torchtitan, or ValueError naming the fix."""
-    from ..adapter_import import installed_version
+    from ...adapter_import import installed_version
 
     version = installed_version("torchtitan")
     if version and version.startswith("0.3"):

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import math
 
-from .formatting import markdown_table, prepare_output, pyplot
-from .validate_verdicts import median_tps, peak_memory
+from ..formatting import markdown_table, prepare_output, pyplot
+from .verdicts import median_tps, peak_memory
 
 __all__ = ["plot_validate_png", "render_validate_markdown"]
 

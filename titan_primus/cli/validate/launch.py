@@ -1,7 +1,7 @@
 """The script ``titan-primus validate`` hands torchrun: TorchTitan's real trainer
 (``torchtitan.train``, 0.3 or 0.2.x; on a CPU through the line's CPU launcher), with two small hooks
 set from the environment, and nothing else changed. Where each hook sits on each line:
-validate_lines.py.
+lines.py.
 
 - ``TITAN_PRIMUS_VALIDATE_METRICS=PATH``: rank 0 appends one JSON line per logged step to PATH
   (loss, grad norm, tokens/s, peak memory) as the trainer hands them to its metric loggers
@@ -12,7 +12,7 @@ validate_lines.py.
   mantissa bit of every floating-point parameter is flipped: a numerically trivial change whose
   effect on the loss curve is the last-bit floor.
 
-Run as a file (``torchrun .../validate_launch.py ARGS``); the arguments are ``torchtitan.train``'s.
+Run as a file (``torchrun .../validate/launch.py ARGS``); the arguments are ``torchtitan.train``'s.
 ``TITAN_PRIMUS_VALIDATE_CPU_LAUNCHER=PATH`` names the CPU launcher.
 """
 
@@ -58,7 +58,7 @@ def main() -> None:
         sys.path.insert(0, str(Path(cpu_launcher).parent))
         import cpu_launch  # noqa: F401
 
-    from titan_primus.cli.validate_lines import trainer_line
+    from titan_primus.cli.validate.lines import trainer_line
 
     line = trainer_line()
     train = line.install_hooks(
