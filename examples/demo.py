@@ -2,7 +2,7 @@
 
 Trains TorchTitan 0.3's llama3 debug model (dense) and deepseek_v3 debug model (MoE) for a few
 steps each with ``--module titan_primus``, launched by torchrun through the CPU launcher when
-there is no GPU, on the tokenizer and corpus shipped in examples/assets. Prints titan-primus's
+there is no GPU, on the tokenizer and corpus shipped in titan_primus/cpu_trainer/assets. Prints titan-primus's
 routing report and the losses, next to a run of the same model without the converter.
 
 ``--recipe mxfp8`` (or ``make demo RECIPE=mxfp8``) trains with another FP8 recipe: any of
@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from titan_primus.cpu_trainer import CORPUS, LAUNCHER, TOKENIZER
 from titan_primus.recipes import RECIPE_NAMES
 
 EXAMPLES = Path(__file__).resolve().parent
@@ -34,7 +35,7 @@ ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def train(module: str, config: str, steps: int, dump: Path, show_routing: bool) -> dict[int, float]:
-    launcher = EXAMPLES / "cpu_launch.py"
+    launcher = LAUNCHER
     if torch.cuda.is_available():
         launcher = None  # a real GPU runs TorchTitan's own entry point
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
@@ -45,9 +46,9 @@ def train(module: str, config: str, steps: int, dump: Path, show_routing: bool) 
         "--config",
         config,
         "--hf_assets_path",
-        str(EXAMPLES / "assets" / "tokenizer"),
+        str(TOKENIZER),
         "--dataloader.dataset_path",
-        str(EXAMPLES / "assets" / "corpus"),
+        str(CORPUS),
         "--training.steps",
         str(steps),
         "--training.seq_len",

@@ -26,7 +26,7 @@ from torchtitan.distributed.utils import set_spmd_backend
 from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, TorchAOTokenDispatcher
 
 import titan_helpers  # noqa: F401  (puts examples/ on sys.path)
-from cpu_world import exit_without_teardown
+from titan_primus.cpu_trainer.world import exit_without_teardown
 
 import titan_primus as tp
 from titan_primus.device import device_profile

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from titan_helpers import build, model_config
 
-from cpu_world import exit_without_teardown  # examples/, on sys.path via titan_helpers
+from titan_primus.cpu_trainer.world import exit_without_teardown
 
 from titan_primus.torchtitan import Float8Converter
 

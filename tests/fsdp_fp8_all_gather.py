@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from titan_helpers import build, model_config, print_line
 
-from cpu_world import exit_without_teardown  # examples/, on sys.path via titan_helpers
+from titan_primus.cpu_trainer.world import exit_without_teardown
 
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard

@@ -115,7 +115,7 @@ def test_config_registry_and_override_select_it():
 
 
 def assert_three_gemms_per_op(model_spec_model, ac_config) -> None:
-    from cpu_launch import use_causal_sdpa
+    from titan_primus.cpu_trainer.launch import use_causal_sdpa
     from torchtitan.distributed.activation_checkpoint import SelectiveAC
 
     assert isinstance(ac_config, SelectiveAC.Config)  # per-op selective, whichever class

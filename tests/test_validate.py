@@ -1,6 +1,8 @@
 """``titan-primus validate``: TorchTitan's real trainer (bf16, FP8, the seed floor, the last-bit
-floor) through the CLI, its verdicts, the baseline comparison and the report. One quick run is
-shared by the module; the corrupted backend needs a run of its own."""
+floor) through the CLI, run as installed (a wheel of this checkout installed into a folder of
+its own, run from another folder), its verdicts, the baseline checks and comparison, and the
+report. One quick run is shared by the module; an injected regression and FP8 that never
+engaged need runs of their own."""
 
 from __future__ import annotations
 
@@ -11,13 +13,16 @@ import os
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from titan_primus.cli import build_parser
 from titan_primus.cli.report import load_document
-from titan_primus.cli.validate.command import conclude, judge
+from titan_primus.cli.validate.baseline import BaselineMismatch, mismatches, refuse_mismatches
+from titan_primus.cli.validate.command import judge_document
 from titan_primus.cli.validate.report import render_validate_markdown
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -28,45 +33,57 @@ QUICK_STEPS = 20
 pytestmark = pytest.mark.trainer
 
 
-def _validate(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+def _validate(*args: str, env: dict | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **(env or {})}
     cmd = [sys.executable, "-m", "titan_primus.cli", "validate", "--quick", *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=1200)
+
+
+def _install_wheel(shared: Path) -> Path:
+    """This checkout built as a wheel and pip-installed (not editable, no dependencies: the venv
+    has them) into a folder of its own; returns the folder."""
+    target, wheels = shared / "installed", shared / "wheels"
+    build = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(wheels)]
+    subprocess.run([*build, str(ROOT)], check=True, capture_output=True, timeout=600)
+    (wheel,) = wheels.glob("titan_primus-*.whl")
+    install = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)]
+    subprocess.run(install, check=True, capture_output=True, timeout=600)
+    return target
 
 
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
     """One `validate --quick` run per session, shared by the xdist workers (a lock in the
-    session's temporary folder): (exit code, Markdown, JSON path, document)."""
+    session's temporary folder), from a non-editable install of this checkout, in a folder
+    outside the clone: (exit code, Markdown, JSON path, document, the installed package's
+    folder)."""
     base = tmp_path_factory.getbasetemp()
     shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
     path, markdown, code = shared / "validate-quick.json", shared / "validate-quick.md", shared / "validate-quick.rc"
     with open(shared / "validate-quick.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not code.exists():
-            proc = _validate("--json", str(path))
+            target = _install_wheel(shared)
+            elsewhere = shared / "elsewhere"
+            elsewhere.mkdir(exist_ok=True)
+            proc = _validate("--json", str(path), env={"PYTHONPATH": str(target)}, cwd=elsewhere)
             markdown.write_text(proc.stdout)
             code.write_text(str(proc.returncode))
             assert path.exists(), proc.stdout + proc.stderr[-4000:]
-    return int(code.read_text()), markdown.read_text(), path, load_document(str(path))
+    return int(code.read_text()), markdown.read_text(), path, load_document(str(path)), shared / "installed"
 
 
-def _again(doc: dict) -> dict:
-    """The run's document as it was before its summary: what conclude() gets from the runs."""
-    fresh = copy.deepcopy(doc)
-    for result in fresh["results"]:
-        result["verdicts"] = [v for v in result["verdicts"] if "baseline" not in v["name"]]
-    fresh.pop("baseline", None)
-    return fresh
+def _judged(doc: dict, baseline: dict | None = None) -> dict:
+    return judge_document(copy.deepcopy(doc), baseline)
 
 
-def _conclude(doc: dict, baseline: dict, path: str = "baseline.json") -> dict:
-    s = doc["settings"]
-    return conclude(_again(doc), baseline, path, s["last_bit_factor"], s["tps_tolerance"], s["memory_tolerance"])
+def _verdict(doc: dict, name: str) -> dict:
+    (verdict,) = [v for v in doc["results"][0]["verdicts"] if v["name"] == name]
+    return verdict
 
 
-def test_quick_run_passes_and_records_every_step(quick):
-    code, markdown, _, doc = quick
+def test_quick_run_as_installed_passes_and_records_every_step(quick):
+    code, markdown, _, doc, installed = quick
     assert code == 0, markdown
     assert doc["kind"] == "validate" and doc["summary"]["status"] == "pass"
     (result,) = doc["results"]
@@ -75,19 +92,26 @@ def test_quick_run_passes_and_records_every_step(quick):
         assert [s["step"] for s in run["steps"]] == list(range(1, QUICK_STEPS + 1)), role
         assert all(s["tps"] > 0 and s["memory_bytes"] > 0 and s["grad_norm"] > 0 for s in run["steps"]), role
         assert "torch.distributed.run" in run["command"]
+        # The trainer ran the installed package's launcher, not the clone's.
+        assert str(installed / "titan_primus" / "cli" / "validate" / "launch.py") in run["command"], run["command"]
     assert result["runs"]["last_bit_floor"]["last_bit_flipped"] > 0
     assert result["runs"]["fp8"]["config"] == "llama3_debugmodel_fp8"
     assert "titan-primus FP8 routing" in result["routing"] and "emulated" in result["routing"]
-    # Both floors measured, the last-bit one far below the seed one (the reason for two floors).
-    seed, last_bit = result["floors"]["seed"], result["floors"]["last_bit"]
-    assert 0 < last_bit["curve"] < seed["curve"] / 5, result["floors"]
+    routing = result["runs"]["fp8"]["routing_data"]
+    assert routing["preferred_backend"] == "emulated" and routing["ops"]["linear"]["backend"] == "emulated"
+    assert result["runs"]["bf16"]["routing_data"] is None
+    # Both floors measured on both curves, the last-bit one far below the seed one.
+    for key in ("loss", "grad_norm"):
+        seed, last_bit = result["floors"]["seed"][key], result["floors"]["last_bit"][key]
+        assert 0 < last_bit["curve"] < seed["curve"] / 5, result["floors"]
     assert doc["environment"]["versions"]["torchtitan"] and doc["environment"]["device_name"]
-    assert {v["name"] for v in result["verdicts"]} >= {"fp8 loss vs bf16, last window", "fp8 loss curve vs bf16"}
+    names = {v["name"] for v in result["verdicts"]}
+    assert {"fp8 engaged", "fp8 loss curve vs bf16", "fp8 grad-norm level vs bf16"} <= names
     assert "PASS" in markdown and "seed floor" in markdown
 
 
 def test_report_renders_the_curves(quick, tmp_path):
-    _, _, path, _ = quick
+    _, _, path, _, _ = quick
     png = tmp_path / "curves.png"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
@@ -103,88 +127,182 @@ def test_report_renders_the_curves(quick, tmp_path):
 
 
 def test_against_its_own_json_passes(quick):
-    _, _, path, doc = quick
-    judged = _conclude(doc, load_document(str(path)), str(path))
+    _, _, path, doc, _ = quick
+    judged = _judged(doc, load_document(str(path)))
     assert judged["summary"]["status"] == "pass", judged["summary"]
-    assert judged["baseline"]["stack_differences"] == []
     names = {v["name"] for v in judged["results"][0]["verdicts"]}
-    assert {"fp8 loss vs baseline", "fp8 tokens/s vs baseline", "fp8 memory vs baseline"} <= names
+    assert {"fp8 loss curve vs baseline", "fp8 grad-norm level vs baseline", "fp8 tokens/s vs baseline"} <= names
+    assert "the same backends, definitions and layers as the baseline" in _verdict(judged, "fp8 engaged")["text"]
 
 
 def test_a_baseline_with_5_percent_lower_losses_fails_on_the_loss(quick):
-    _, _, _, doc = quick
+    _, _, _, doc, _ = quick
     lower = copy.deepcopy(doc)
     for run in lower["results"][0]["runs"].values():
         for step in run["steps"]:
             step["loss"] *= 0.95
-    judged = _conclude(doc, lower)
-    assert judged["summary"]["status"] == "fail"
+    judged = _judged(doc, lower)
     failed = judged["summary"]["failed_verdicts"]
-    assert "llama3_debugmodel: fp8 loss vs baseline" in failed and "llama3_debugmodel: bf16 loss vs baseline" in failed
-    assert not any("tokens/s" in f or "memory" in f for f in failed), failed
-    text = next(v["text"] for v in judged["results"][0]["verdicts"] if v["name"] == "fp8 loss vs baseline")
+    assert "llama3_debugmodel: fp8 loss curve vs baseline" in failed, failed
+    assert "llama3_debugmodel: bf16 loss curve vs baseline" in failed, failed
+    assert not any("tokens/s" in f or "memory" in f or "grad-norm" in f for f in failed), failed
+    text = _verdict(judged, "fp8 loss curve vs baseline")["text"]
     assert "5.26%" in text and "last-bit floor" in text, text
 
 
-def test_a_baseline_of_another_config_and_stack_lists_the_differences(quick):
-    _, _, _, doc = quick
-    other = copy.deepcopy(doc)
-    other["environment"]["versions"]["torch"] = "2.12.0"
-    other["environment"]["device_name"] = "another CPU"
-    (result,) = other["results"]
-    result["config"], result["seq_len"] = "llama3_debugmodel_other", 256
+def test_a_weight_gradient_off_in_scale_fails_the_grad_norm_level(quick):
+    """AdamW hides a weight gradient's scale from the loss; the grad norm shows it."""
+    _, _, _, doc, _ = quick
+    off = copy.deepcopy(doc)
+    for step in off["results"][0]["runs"]["fp8"]["steps"]:
+        step["grad_norm"] *= 0.85
+    judged = _judged(off)
+    assert _verdict(judged, "fp8 grad-norm level vs bf16")["status"] == "fail"
+    assert _verdict(judged, "fp8 loss curve vs bf16")["status"] == "pass"
+    assert _verdict(_judged(off, doc), "fp8 grad-norm level vs baseline")["status"] == "fail"
+
+
+def test_zero_floors_are_no_bound(quick):
+    """A seed floor of zero (the seed run equals bf16) and a last-bit floor of zero fail the
+    verdicts they bound, even where the gap is zero too."""
+    _, _, _, doc, _ = quick
+    same = copy.deepcopy(doc)
+    runs = same["results"][0]["runs"]
+    runs["seed_floor"]["steps"] = copy.deepcopy(runs["bf16"]["steps"])
+    runs["last_bit_floor"]["steps"] = copy.deepcopy(runs["fp8"]["steps"])
+    judged = _judged(same, doc)
+    for name in ("fp8 loss curve vs bf16", "fp8 grad-norm level vs bf16", "fp8 loss curve vs baseline"):
+        verdict = _verdict(judged, name)
+        assert verdict["status"] == "fail" and "no bound" in verdict["text"], verdict
+
+
+def test_fp8_that_fell_away_fails_fp8_engaged(quick):
+    _, _, _, doc, _ = quick
+    # The FP8 run's curve is bf16's: FP8 changed nothing.
+    nothing = copy.deepcopy(doc)
+    runs = nothing["results"][0]["runs"]
+    runs["fp8"]["steps"] = copy.deepcopy(runs["bf16"]["steps"])
+    assert "FP8 changed nothing" in _verdict(_judged(nothing), "fp8 engaged")["text"]
+    # Layers the baseline ran in FP8 stay in high precision now, with the routing's reason.
+    fell = copy.deepcopy(doc)
+    layers = fell["results"][0]["runs"]["fp8"]["routing_data"]["layers"]
+    for layer in layers[:3]:
+        layer.update(backend=None, kept="unsupported", reason="the kernel refuses K=256")
+    verdict = _verdict(_judged(fell, doc), "fp8 engaged")
+    assert verdict["status"] == "fail" and "3 layers the baseline ran in FP8" in verdict["text"], verdict
+    assert layers[0]["fqn"] in verdict["text"] and "the kernel refuses K=256" in verdict["text"], verdict
+    assert _verdict(_judged(fell), "fp8 engaged")["status"] == "pass"  # a shape refusal, without a baseline
+    # Another backend or definition than the baseline's.
+    moved = copy.deepcopy(doc)
+    moved["results"][0]["runs"]["fp8"]["routing_data"]["ops"]["linear"]["definition"] = "tensorwise (other)"
+    verdict = _verdict(_judged(moved, doc), "fp8 engaged")
+    assert verdict["status"] == "fail" and "tensorwise (other)" in verdict["text"], verdict
+    # Another backend than the one expected here.
+    expected = copy.deepcopy(doc)
+    expected["results"][0]["fp8_options"] = {"backend": "torchao"}
+    verdict = _verdict(_judged(expected), "fp8 engaged")
+    assert verdict["status"] == "fail" and "linear ran on emulated, not torchao" in verdict["text"], verdict
+
+
+def test_a_baseline_compares_like_with_like(quick, tmp_path):
+    """Other steps fail, naming them, before any training (seconds); allowed, they are compared on
+    the steps both have."""
+    _, _, path, doc, _ = quick
+    shorter = copy.deepcopy(doc)
+    result = shorter["results"][0]
+    result["steps"] = 5
     for run in result["runs"].values():
-        run["steps"] = run["steps"][:15]
-    judged = _conclude(doc, other)
-    stack = {d["field"]: (d["baseline"], d["now"]) for d in judged["baseline"]["stack_differences"]}
-    assert stack["version: torch"] == ("2.12.0", doc["environment"]["versions"]["torch"])
-    assert "device name" in stack
-    settings = {d["field"] for d in judged["results"][0]["baseline"]["settings_differences"]}
-    assert {"config", "seq_len"} <= settings
-    markdown = render_validate_markdown(judged, "x")
-    assert "2.12.0" in markdown and "llama3_debugmodel_other" in markdown and "settings differ" in markdown
-    text = next(v["text"] for v in judged["results"][0]["verdicts"] if v["name"] == "fp8 loss vs baseline")
-    assert "15 steps compared" in text
+        run["steps"] = run["steps"][:5]
+    baseline = tmp_path / "shorter.json"
+    baseline.write_text(json.dumps(shorter))
+    started = time.perf_counter()
+    proc = _validate("--baseline", str(baseline), "--json", str(tmp_path / "x.json"))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "steps (baseline 5, now 20)" in proc.stderr and "--allow-mismatch steps" in proc.stderr, proc.stderr
+    assert time.perf_counter() - started < 60 and not (tmp_path / "x.json").exists()
+    settings = {k: doc["settings"][k] for k in ("seed", "floor_seed", "window", "nproc")}
+    found = mismatches(doc["results"], settings, shorter)
+    assert [m["field"] for m in found] == ["steps"]
+    with pytest.raises(BaselineMismatch, match="steps"):
+        refuse_mismatches(found, set(), "shorter.json")
+    refuse_mismatches(found, {"steps"}, "shorter.json")
+    text = _verdict(_judged(doc, shorter), "fp8 loss curve vs baseline")["text"]
+    assert "5 steps compared" in text, text
+    # Every setting named: another seed and an FP8-only option.
+    other = copy.deepcopy(doc)
+    other["settings"]["seed"] = 7
+    other["results"][0]["fp8_options"] = {"fp8_dispatch": True}
+    assert {m["field"] for m in mismatches(doc["results"], settings, other)} == {"seed", "fp8_options"}
+
+
+@pytest.mark.parametrize("missing", ["fp8 run", "tps", "routing_data", "steps setting"])
+def test_a_baseline_missing_a_run_or_a_field_exits_2_at_once(quick, tmp_path, missing):
+    _, _, _, doc, _ = quick
+    broken = copy.deepcopy(doc)
+    result = broken["results"][0]
+    if missing == "fp8 run":
+        del result["runs"]["fp8"]
+    elif missing == "tps":
+        for step in result["runs"]["bf16"]["steps"]:
+            del step["tps"]
+    elif missing == "routing_data":
+        del result["runs"]["fp8"]["routing_data"]
+    else:
+        del result["steps"]
+    baseline = tmp_path / "broken.json"
+    baseline.write_text(json.dumps(broken))
+    started = time.perf_counter()
+    proc = _validate("--baseline", str(baseline))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    expected = {
+        "fp8 run": "the fp8 run",
+        "tps": "per-step tps",
+        "routing_data": "routing_data",
+        "steps setting": ".steps",
+    }
+    assert expected[missing] in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+    assert time.perf_counter() - started < 60
 
 
 def test_a_nan_loss_fails_every_loss_verdict(quick):
-    _, _, _, doc = quick
-    result = _again(doc)["results"][0]
-    result["runs"]["fp8"]["steps"][-3]["loss"] = float("nan")
-    s = doc["settings"]
-    verdicts = {v["name"]: v for v in judge(result, s["window"], s["seed_factor"], s["spike_factor"])}
-    for name in ("finite loss and grad norm", "fp8 loss vs bf16, last window", "fp8 loss curve vs bf16"):
-        assert verdicts[name]["status"] == "fail", verdicts[name]
+    _, _, _, doc, _ = quick
+    nan = copy.deepcopy(doc)
+    nan["results"][0]["runs"]["fp8"]["steps"][-3]["loss"] = float("nan")
+    judged = _judged(nan, doc)
+    for name in ("finite loss and grad norm", "fp8 loss curve vs bf16", "fp8 loss curve vs baseline"):
+        assert _verdict(judged, name)["status"] == "fail", _verdict(judged, name)
 
 
 def test_grad_norm_spikes_bf16_lacks_are_judged_against_the_seed_floor(quick):
-    _, _, _, doc = quick
+    _, _, _, doc, _ = quick
     s = doc["settings"]
     name = "no more grad-norm spikes bf16 lacks than the seed floor"
+    spiked = copy.deepcopy(doc)
 
-    def spike(result, role, step):
-        result["runs"][role]["steps"][step - 1]["grad_norm"] *= 10 * s["spike_factor"]
+    def spike(role, step):
+        spiked["results"][0]["runs"][role]["steps"][step - 1]["grad_norm"] *= 10 * s["spike_factor"]
 
-    result = _again(doc)["results"][0]
-    spike(result, "fp8", 15)
-    verdicts = {v["name"]: v for v in judge(result, s["window"], s["seed_factor"], s["spike_factor"])}
-    assert verdicts[name]["status"] == "fail" and "FP8 [15]" in verdicts[name]["text"], verdicts[name]
-    spike(result, "seed_floor", 17)  # an equally good bf16 run with a spike of its own
-    verdicts = {v["name"]: v for v in judge(result, s["window"], s["seed_factor"], s["spike_factor"])}
-    assert verdicts[name]["status"] == "pass", verdicts[name]
-    spike(result, "bf16", 14)  # bf16 spikes there too: FP8's is not its own
-    verdicts = {v["name"]: v for v in judge(result, s["window"], s["seed_factor"], s["spike_factor"])}
-    assert verdicts[name]["status"] == "pass" and "FP8 none" in verdicts[name]["text"], verdicts[name]
+    spike("fp8", 15)
+    verdict = _verdict(_judged(spiked), name)
+    assert verdict["status"] == "fail" and "FP8 [15]" in verdict["text"], verdict
+    spike("seed_floor", 17)  # an equally good bf16 run with a spike of its own
+    assert _verdict(_judged(spiked), name)["status"] == "pass"
+    spike("bf16", 14)  # bf16 spikes there too: FP8's is not its own
+    verdict = _verdict(_judged(spiked), name)
+    assert verdict["status"] == "pass" and "FP8 none" in verdict["text"], verdict
+
+
+def _plugin_env(tmp_path: Path, module, **extra) -> dict:
+    module.write_entry_point(tmp_path)
+    return {
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(Path(module.__file__).parent), str(tmp_path)]),
+        "TITAN_PRIMUS_DISABLE_PLUGIN_AUTOLOAD": "",  # conftest turns plugins off; this one is the point
+        **extra,
+    }
 
 
 def test_a_corrupted_backend_fails_the_convergence_verdict(tmp_path):
-    corrupt_backend.write_entry_point(tmp_path)
-    env = {
-        "PYTHONPATH": os.pathsep.join([str(ROOT), str(Path(corrupt_backend.__file__).parent), str(tmp_path)]),
-        "TITAN_PRIMUS_BACKEND": "corrupted",
-        corrupt_backend.ENV: "rows:8",  # wrong rows from step 8 on
-        "TITAN_PRIMUS_DISABLE_PLUGIN_AUTOLOAD": "",  # conftest turns plugins off; this one is the point
-    }
+    env = _plugin_env(tmp_path, corrupt_backend, TITAN_PRIMUS_BACKEND="corrupted", **{corrupt_backend.ENV: "rows:8"})
     path = tmp_path / "corrupted.json"
     proc = _validate("--json", str(path), env=env)
     assert proc.returncode == 1, proc.stdout + proc.stderr[-4000:]
@@ -192,7 +310,37 @@ def test_a_corrupted_backend_fails_the_convergence_verdict(tmp_path):
     assert "-> corrupted" in (doc["results"][0]["routing"] or ""), proc.stdout + proc.stderr[-4000:]
     failed = doc["summary"]["failed_verdicts"]
     assert "llama3_debugmodel: fp8 loss curve vs bf16" in failed, failed
-    assert "llama3_debugmodel: runs complete" not in failed, failed
+    assert "llama3_debugmodel: runs complete" not in failed and "llama3_debugmodel: fp8 engaged" not in failed
+
+
+def test_primus_turbo_named_on_a_cpu_fails_fp8_engaged(tmp_path):
+    """The issue's case: Primus-Turbo named (nothing can convert here), 4 steps."""
+    path = tmp_path / "pt.json"
+    proc = _validate("--steps", "4", "--json", str(path), env={"TITAN_PRIMUS_BACKEND": "primus_turbo"})
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-4000:]
+    doc = json.loads(path.read_text())
+    assert doc["summary"]["failed_verdicts"] == ["llama3_debugmodel: fp8 engaged"], doc["summary"]
+    text = _verdict(doc, "fp8 engaged")["text"]
+    assert "FP8 NOT ENGAGED: 31 layers stayed in high precision" in text and "Primus-Turbo runs only on" in text
+
+
+def test_the_fp8_only_options_reach_the_fp8_runs_only():
+    from titan_primus.cli.validate.command import fp8_options, plans
+    from titan_primus.cli.validate.lines import Line03
+
+    args = build_parser().parse_args(
+        ["validate", "--quick", "--backend", "torchao", "--fp8-dispatch", "--filter-fqns", "router.gate,output"]
+    )
+    (plan,) = plans(args, on_gpu=False, line=Line03())
+    assert (
+        plan.fp8_options
+        == fp8_options(args)
+        == {
+            "backend": "torchao",
+            "fp8_dispatch": True,
+            "filter_fqns": ["router.gate", "output"],
+        }
+    )
 
 
 @pytest.mark.parametrize("script", ["cpu.sh", "cuda.sh"])
@@ -225,3 +373,29 @@ def test_bad_validate_input_is_one_line(tmp_path, capsys):
         assert cli.main(argv) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and expected in err, err
+
+
+def test_the_injected_casts_are_the_regressions_they_name():
+    """tests/regressions.py, the plugin behind docs/validate.md's power table: each cast
+    regression changes the FP8 codes the way its name says, and nothing else."""
+    import regressions
+
+    import titan_primus.scaling as scaling
+
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(0)) * 3
+    scale = torch.finfo(torch.float8_e4m3fn).max / x.abs().max()
+    healthy = scaling.scaled_cast(x, scale, torch.float8_e4m3fn).float()
+
+    def cast(kind, size):
+        return regressions.regressed_cast(kind, size, scaling.scaled_cast)(x, scale, torch.float8_e4m3fn).float()
+
+    down = cast("rounding", 1.0)
+    changed = down != healthy
+    assert 0.3 < changed.float().mean() < 0.7  # the casts that rounded away from zero
+    assert (down.abs() <= healthy.abs()).all() and (down[changed].abs() < (x * scale)[changed].abs()).all()
+    assert (cast("rounding", 0.1) != healthy).float().mean() < changed.float().mean() / 5
+    errors = [((cast("mantissa", k) if k else healthy) - x * scale).abs().mean() for k in range(4)]
+    assert errors == sorted(errors) and errors[3] > 4 * errors[0]  # each bit dropped: coarser
+    clipped = cast("saturation", 0.5)
+    assert clipped.abs().max() <= 0.5 * torch.finfo(torch.float8_e4m3fn).max
+    assert torch.equal(clipped[healthy.abs() < 200], healthy[healthy.abs() < 200])

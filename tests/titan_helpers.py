@@ -15,13 +15,12 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-EXAMPLES = ROOT / "examples"
-sys.path.insert(0, str(EXAMPLES))
 
 # The CPU launcher's attention swap (FlexAttention has no CPU backward), reused for models
 # built in-process. Importing it also points TorchTitan's device helpers at the CPU.
 # trainer_flags: the flags for a run's size and data on TorchTitan 0.3.0 or main (2026-08-21).
-from cpu_launch import TOKENS_1D, trainer_flags, use_causal_sdpa  # noqa: E402
+from titan_primus.cpu_trainer import CORPUS, LAUNCHER, TOKENIZER  # noqa: E402
+from titan_primus.cpu_trainer.launch import TOKENS_1D, trainer_flags, use_causal_sdpa  # noqa: E402
 
 MODEL_REGISTRIES = {
     "llama3": "torchtitan.models.llama3",
@@ -111,14 +110,14 @@ def run_trainer(
         "torch.distributed.run",
         "--standalone",
         f"--nproc_per_node={nproc}",
-        str(EXAMPLES / "cpu_launch.py"),
+        str(LAUNCHER),
         "--module",
         module,
         "--config",
         config,
         "--hf_assets_path",
-        str(EXAMPLES / "assets" / "tokenizer"),
-        *trainer_flags(seq_len, batch, EXAMPLES / "assets" / "corpus"),
+        str(TOKENIZER),
+        *trainer_flags(seq_len, batch, CORPUS),
         "--training.steps",
         str(steps),
         "--dump_folder",

@@ -4,7 +4,6 @@ amax over a split dimension is reduced across the group. Without that (shards=No
 and some rowwise scales would come from one shard and the results would differ."""
 
 import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -13,8 +12,7 @@ import titan_primus as tp
 from titan_primus.backends.base import TensorParallelShards
 from titan_primus.metrics import sqnr
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
-from cpu_world import exit_without_teardown  # noqa: E402
+from titan_primus.cpu_trainer.world import exit_without_teardown  # noqa: E402
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()

@@ -13,11 +13,11 @@ line per case on rank 0."""
 import json
 import sys
 
-import cpu_launch  # noqa: F401  (before torchtitan: the CPU device, the CPU permute indices)
+import titan_primus.cpu_trainer.launch02  # noqa: F401  (before torchtitan: the CPU device, the CPU permute indices)
 import torch
 import torch.distributed as dist
 import torchtitan.models.moe.utils as moe_utils
-from cpu_world import exit_without_teardown
+from titan_primus.cpu_trainer.world import exit_without_teardown
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.utils._python_dispatch import TorchDispatchMode

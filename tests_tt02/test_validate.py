@@ -1,5 +1,5 @@
 """``titan-primus validate`` on TorchTitan 0.2.x: the same runs, verdicts and JSON as on 0.3, the
-trainer launched with the job's TOML (``--job.config_file``) through examples/torchtitan02/cpu_launch.py.
+trainer launched with the job's TOML (``--job.config_file``) through titan_primus/cpu_trainer/launch02.py.
 One quick run is shared by the module."""
 
 from __future__ import annotations

@@ -14,6 +14,8 @@ from types import SimpleNamespace
 import torch
 from torchtitan.config import JobConfig
 from torchtitan.distributed import ParallelDims
+
+from titan_primus.cpu_trainer import LAUNCHER_02
 from torchtitan.protocols.train_spec import get_train_spec
 
 from titan_primus.conversion import ConversionOptions
@@ -95,7 +97,7 @@ def run_trainer(
         "torch.distributed.run",
         "--standalone",
         f"--nproc_per_node={nproc}",
-        str(EXAMPLES / "cpu_launch.py"),
+        str(LAUNCHER_02),
         "--job.config_file",
         str(toml),
         "--training.steps",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 from .backends.base import Op, Verdict
@@ -18,7 +18,7 @@ from .device import DeviceProfile, device_profile, resolve_device
 from .fsdp_fp8 import fp8_all_gather_plan
 from .recipes import check_recipe_name
 from .registry import backends, get_backend
-from .routing import BackendUnavailableError, RoutingDecision, select_backend
+from .routing import BackendUnavailableError, RoutingDecision, preferred_backend, select_backend
 from .sentinel.options import SentinelOptions, sentinel_options
 
 __all__ = [
@@ -193,6 +193,9 @@ class ConversionOptions:
         return sentinel_options(self.sentinel_interval, self.sentinel_policy, self.sentinel_capture_folder)
 
 
+KeptBecause = Literal["filter_fqns", "auto_filter_small_kn", "unconvertible", "unsupported", "no_backend"]
+
+
 @dataclass(frozen=True)
 class LayerRoute:
     fqn: str
@@ -200,6 +203,10 @@ class LayerRoute:
     backend: str | None
     """Backend that runs it, or None when it stays in high precision."""
     reason: str
+    kept: KeptBecause | None = None
+    """Why it stays in high precision (None when converted): the user's choice
+    (``filter_fqns``, ``auto_filter_small_kn``), the adapter's (``unconvertible``), the backend's
+    (``unsupported``: the op's shape), or ``no_backend``: no FP8 backend can run the op here."""
 
 
 @dataclass
@@ -224,6 +231,26 @@ class ConversionReport:
 
     def skipped(self, kind: str | None = None) -> list[LayerRoute]:
         return [r for r in self.layers if not r.backend and kind in (None, r.kind)]
+
+    def as_dict(self) -> dict:
+        """The report as plain data (validate records it from the trainer): per op the backend,
+        definition and reason, the backend the device prefers, and every layer."""
+        preferred = preferred_backend(self.device)
+        return {
+            "device": self.device.arch,
+            "recipe": self.recipe,
+            "preferred_backend": preferred.name if preferred else None,
+            "ops": {
+                op: {
+                    "backend": d.backend_name,
+                    "definition": d.recipe.describe(),
+                    "reason": d.reason,
+                    "passed_over": [list(p) for p in d.passed_over],
+                }
+                for op, d in self.decisions.items()
+            },
+            "layers": [asdict(route) for route in self.layers],
+        }
 
     def summary(self) -> str:
         lines = [f"titan-primus FP8 routing on {self.device.describe()}, recipe {self.recipe}:"]
@@ -299,19 +326,20 @@ class LayerRouter:
         """The decision for the linear at ``fqn``, or None when it stays in high precision.
         ``unconvertible``: the adapter's reason it cannot convert this layer, if any."""
         decision = self.decision("linear")
-        reason = unconvertible or self._skip_reason(fqn, decision, "linear", in_features, out_features)
-        return self._record(fqn, "linear", decision, reason)
+        kept = ("unconvertible", unconvertible) if unconvertible else None
+        kept = kept or self._skip_reason(fqn, decision, "linear", in_features, out_features)
+        return self._record(fqn, "linear", decision, kept)
 
     def experts(self, fqn: str, dim: int, hidden_dim: int, *, unconvertible: str | None = None):
         """The decision for the expert block at ``fqn``, or None when it stays in high precision."""
         decision = self.decision("grouped_mm")
         # w1/w3: [R, dim] @ [dim, hidden]; w2: [R, hidden] @ [hidden, dim]
-        reason = (
-            unconvertible
+        kept = (
+            (("unconvertible", unconvertible) if unconvertible else None)
             or self._skip_reason(fqn, decision, "grouped_mm", dim, hidden_dim)
             or self._skip_reason(fqn, decision, "grouped_mm", hidden_dim, dim)
         )
-        return self._record(fqn, "experts", decision, reason)
+        return self._record(fqn, "experts", decision, kept)
 
     def fp8_all_gather(self, op: Op, fqn: str | None = None, shared_with: str | None = None) -> bool:
         """Whether FSDP2 all-gathers the FP8 weights of ``op`` as FP8 (the option is on and
@@ -348,9 +376,9 @@ class LayerRouter:
         )
         return True
 
-    def _record(self, fqn, kind, decision: RoutingDecision, reason: str | None) -> RoutingDecision | None:
-        if reason:
-            self.report.layers.append(LayerRoute(fqn, kind, None, reason))
+    def _record(self, fqn, kind, decision: RoutingDecision, kept: tuple[KeptBecause, str] | None):
+        if kept:
+            self.report.layers.append(LayerRoute(fqn, kind, None, kept[1], kept[0]))
             return None
         self.report.layers.append(LayerRoute(fqn, kind, decision.backend_name, decision.reason))
         return decision
@@ -365,7 +393,7 @@ class LayerRouter:
             logger.warning("titan-primus: %s; falling back to automatic routing (strict=False)", e)
             decision = select_backend(op, opts.recipe, device, "auto")
         if opts.strict and opts.backend == "auto":
-            preferred = max(backends().values(), key=lambda b: b.rank(device))
+            preferred = preferred_backend(device) or max(backends().values(), key=lambda b: b.rank(device))
             if decision.backend is not preferred:
                 why = dict(decision.passed_over).get(preferred.name, "it was not chosen")
                 raise BackendUnavailableError(
@@ -374,13 +402,15 @@ class LayerRouter:
                 )
         return decision
 
-    def _skip_reason(self, fqn: str, decision: RoutingDecision | None, op: Op, k: int, n: int) -> str | None:
+    def _skip_reason(
+        self, fqn: str, decision: RoutingDecision | None, op: Op, k: int, n: int
+    ) -> tuple[KeptBecause, str] | None:
         matched = [f for f in self.options.filter_fqns if f in fqn]
         if matched:
-            return f"matches filter_fqns entry {matched[0]!r}"
+            return "filter_fqns", f"matches filter_fqns entry {matched[0]!r}"
         if decision is None:
-            return self._unroutable[op]
+            return "no_backend", self._unroutable[op]
         if op == "linear" and self.options.auto_filter_small_kn and too_small_for_fp8(self.options.recipe, k, n):
-            return f"too small to gain from FP8 (K={k}, N={n}; auto_filter_small_kn)"
+            return "auto_filter_small_kn", f"too small to gain from FP8 (K={k}, N={n}; auto_filter_small_kn)"
         supported = decision.backend.supports(op, self.options.recipe, self.device, k=k, n=n)
-        return None if supported else supported.reason
+        return None if supported else ("unsupported", supported.reason)

@@ -15,7 +15,7 @@ from .device import DeviceProfile, resolve_device
 from .recipes import Fp8Recipe, check_recipe_name
 from .registry import backends, generation, get_backend
 
-__all__ = ["BACKEND_ENV", "RoutingDecision", "BackendUnavailableError", "select_backend"]
+__all__ = ["BACKEND_ENV", "RoutingDecision", "BackendUnavailableError", "preferred_backend", "select_backend"]
 
 BACKEND_ENV = "TITAN_PRIMUS_BACKEND"
 
@@ -59,6 +59,13 @@ def _check(backend: Fp8Backend, op: Op, recipe: str, device: DeviceProfile, k, n
         return f"the {backend.name} backend does not implement recipe {recipe!r} (it implements {', '.join(backend.recipes)})"
     supported = backend.supports(op, recipe, device, k=k, n=n)
     return None if supported else supported.reason
+
+
+def preferred_backend(device: DeviceProfile) -> Fp8Backend | None:
+    """The backend ``backend="auto"`` prefers on ``device`` (the highest-ranked), whether or not it
+    can run a given op there; None where every backend ranks itself 0 (no FP8 here)."""
+    best = max(backends().values(), key=lambda b: b.rank(device), default=None)
+    return best if best is not None and best.rank(device) > 0 else None
 
 
 def select_backend(

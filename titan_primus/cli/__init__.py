@@ -16,6 +16,7 @@ import sys
 
 from ..device import known_profiles
 from ..recipes import RECIPE_NAMES
+from .validate.baseline import COMPARED_FIELDS
 
 __all__ = ["build_parser", "main"]
 
@@ -163,18 +164,37 @@ def _add_validate(commands) -> None:
     validate.add_argument("--seq-len", type=_positive, metavar="N", help="training.seq_len")
     validate.add_argument("--batch", type=_positive, metavar="N", help="training.local_batch_size")
     validate.add_argument("--nproc", type=_positive, metavar="N", help="ranks (default: the GPUs here, or 1)")
-    validate.add_argument("--recipe", choices=RECIPE_NAMES, default="rowwise", help="FP8 recipe (default rowwise)")
-    validate.add_argument("--seed", type=int, default=42, help="seed of the bf16 and FP8 runs (default 42)")
-    validate.add_argument("--floor-seed", type=int, default=43, help="seed of the seed-floor run (default 43)")
-    validate.add_argument("--window", type=_positive, default=10, metavar="N", help="steps per loss window (10)")
+    validate.add_argument("--recipe", choices=RECIPE_NAMES, help="FP8 recipe (default: the baseline's, or rowwise)")
     validate.add_argument(
-        "--seed-factor", type=float, default=1.0, help="FP8 vs bf16 bound: this times the seed floor (default 1)"
+        "--backend",
+        metavar="NAME",
+        help="FP8 runs only: the backend (primus_turbo, torchao, emulated, a plugin's); FP8 engaged then expects it "
+        "(default: TITAN_PRIMUS_BACKEND, else auto, expecting the device's preferred backend)",
+    )
+    validate.add_argument(
+        "--fp8-dispatch", action="store_true", help="FP8 runs only: FP8 token dispatch under expert parallelism"
+    )
+    validate.add_argument(
+        "--filter-fqns",
+        metavar="A,B",
+        help="FP8 runs only: layers whose FQN contains one of these stay in high precision (default router.gate)",
+    )
+    validate.add_argument("--seed", type=int, help="seed of the bf16 and FP8 runs (default: the baseline's, or 42)")
+    validate.add_argument("--floor-seed", type=int, help="seed of the seed-floor run (default: the baseline's, or 43)")
+    validate.add_argument(
+        "--window", type=_positive, metavar="N", help="steps per window of the means compared (the baseline's, or 10)"
+    )
+    validate.add_argument(
+        "--seed-factor",
+        type=float,
+        default=1.0,
+        help="FP8 vs bf16 bounds: this times the seed floor (default 1)",
     )
     validate.add_argument(
         "--last-bit-factor",
         type=float,
         default=2.0,
-        help="baseline loss bound: this times the last-bit floor (default 2)",
+        help="baseline loss and grad-norm bounds: this times the last-bit floor (default 2)",
     )
     validate.add_argument(
         "--spike-factor",
@@ -188,7 +208,19 @@ def _add_validate(commands) -> None:
     validate.add_argument(
         "--memory-tolerance", type=float, default=0.05, help="memory may be this fraction above the baseline's (0.05)"
     )
-    validate.add_argument("--baseline", metavar="PATH", help="an earlier validate JSON of the same config")
+    validate.add_argument(
+        "--baseline",
+        metavar="PATH",
+        help="an earlier validate JSON; without --config its configs and settings run again",
+    )
+    validate.add_argument(
+        "--allow-mismatch",
+        action="append",
+        default=[],
+        choices=COMPARED_FIELDS,
+        metavar="FIELD",
+        help=f"compare with a baseline that differs in FIELD (repeatable): {', '.join(COMPARED_FIELDS)}",
+    )
     validate.add_argument("--json", metavar="PATH", help="write the results to PATH (docs/json-schema.md)")
     validate.add_argument("--png", metavar="PATH", help="also plot the curves to PATH (titan-primus report does too)")
     validate.add_argument("--work-dir", metavar="DIR", help="keep the trainer logs and dump folders in DIR")

@@ -1,23 +1,21 @@
 """``titan-primus validate``: the upgrade gate. Does FP8 training still converge like bf16, at
-the speed and memory it had?
+the speed and memory it had, and did FP8 engage at all?
 
-For each config it runs TorchTitan's real trainer (torchrun; on a CPU through
-examples/cpu_launch.py, the debug models on the shipped corpus) four times on the same data:
+For each config it runs TorchTitan's real trainer (torchrun; on a CPU through the CPU launcher
+titan-primus ships, titan_primus/cpu_trainer, the debug models on the shipped corpus) four times
+on the same data:
 
 - ``bf16``: the stock config, no converter, at ``--seed``;
 - ``fp8``: the same config with the titan-primus converter (``--module titan_primus --config
-  NAME_fp8[_RECIPE]``), same seed;
+  NAME_fp8[_RECIPE]``), same seed, with the FP8-only options (backend, fp8_dispatch,
+  filter_fqns);
 - ``seed_floor``: bf16 at ``--floor-seed``: how far two equally good bf16 runs lie apart;
 - ``last_bit_floor``: the FP8 run with the lowest bit of every initial weight flipped: how far a
   numerically trivial change moves the same run.
 
-Verdicts (verdicts.py): every loss and grad norm finite, every run complete; FP8's loss
-over the last window and its whole curve within ``--seed-factor`` times the seed floor of bf16's;
-no more grad-norm spikes bf16 lacks than the seed floor has. With ``--baseline`` (an earlier validate JSON): each run's
-loss curve within ``--last-bit-factor`` times the last-bit floor of the baseline's, tokens/s not
-lower and memory not higher than the tolerances, and a table of what changed in the stack and
-the settings (a baseline of another config is compared on what both have, the differences listed).
-Exit 1 when a verdict fails.
+The verdicts are judge.py's; a baseline is checked before any training (baseline.py). With
+``--baseline`` and no ``--config`` the baseline's own configs and settings run again, so the same
+command works after every upgrade. Exit 1 when a verdict fails, 2 on bad usage.
 """
 
 from __future__ import annotations
@@ -34,17 +32,19 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .lines import TrainerLine, trainer_line
-from .verdicts import Verdict, curve_gaps, finite_problems, grad_norm_spikes, median_tps, peak_memory
+from .baseline import BaselineMismatch, check_baseline, mismatches, pair, refuse_mismatches
+from .judge import compare_with_baseline, judge
+from .lines import FP8_OPTIONS_ENV, TrainerLine, trainer_line
 
-__all__ = ["ConfigPlan", "ROLES", "command", "compare_with_baseline", "conclude", "judge", "plans"]
+__all__ = ["ConfigPlan", "ROLES", "command", "conclude", "fp8_options", "judge_document", "plans"]
 
 ROLES = ("bf16", "fp8", "seed_floor", "last_bit_floor")
-REPO = Path(__file__).resolve().parents[3]
 LAUNCH_SCRIPT = Path(__file__).resolve().with_name("launch.py")
 
 # CPU defaults (the configs and steps are the line's: lines.py).
 CPU_SEQ_LEN, CPU_QUICK_SEQ_LEN, CPU_BATCH = 256, 128, 2
+# The invocation's settings, when neither the command line nor a baseline gives them.
+DEFAULTS = {"seed": 42, "floor_seed": 43, "window": 10, "recipe": "rowwise"}
 
 
 @dataclass
@@ -58,25 +58,68 @@ class ConfigPlan:
     batch: int | None
     recipe: str
     overrides: list[str] = field(default_factory=list)
+    fp8_options: dict = field(default_factory=dict)
+    """Converter options of the FP8 runs only (ConversionOptions fields)."""
     fp8_config: str = ""
 
 
-def plans(args, on_gpu: bool, line: TrainerLine) -> list[ConfigPlan]:
+def fp8_options(args) -> dict:
+    """The FP8-only converter options the command line names (the bf16 runs never get them)."""
+    options = {}
+    backend = args.backend or os.environ.get("TITAN_PRIMUS_BACKEND")
+    if backend and backend != "auto":
+        options["backend"] = backend
+    if args.fp8_dispatch:
+        options["fp8_dispatch"] = True
+    if args.filter_fqns is not None:
+        options["filter_fqns"] = [f for f in args.filter_fqns.split(",") if f]
+    return options
+
+
+def _setting(args, name: str, baseline: dict | None):
+    """A setting: the command line's, else the baseline's, else the default."""
+    value = getattr(args, name)
+    if value is None and baseline is not None:
+        value = baseline["settings"].get(name)
+    return DEFAULTS[name] if value is None else value
+
+
+def plans(args, on_gpu: bool, line: TrainerLine, baseline: dict | None = None) -> list[ConfigPlan]:
     overrides = list(args.overrides or [])
     if overrides and overrides[0] == "--":
         overrides = overrides[1:]
-    if args.config:
-        defaults = [(line.check_plan(args.module, args.config), args.config, None)]
-    elif on_gpu:
-        raise ValueError(f"on a GPU, name the config to validate: {line.config_example} (see docs/validate.md)")
+    recipe = _setting(args, "recipe", baseline)
+    if baseline is not None and not args.config and not args.quick:
+        # The baseline's own configs and settings, what the command line does not change.
+        configs = [
+            ConfigPlan(
+                b["module"],
+                b["config"],
+                args.steps or b["steps"],
+                args.seq_len or b["seq_len"],
+                args.batch or b["batch"],
+                args.recipe or b["recipe"],
+                overrides or list(b["overrides"]),
+                fp8_options(args) or dict(b["fp8_options"]),
+            )
+            for b in baseline["results"]
+        ]
     else:
-        defaults = line.cpu_quick if args.quick else line.cpu_default
-    seq_len = args.seq_len or (None if on_gpu else CPU_QUICK_SEQ_LEN if args.quick else CPU_SEQ_LEN)
-    batch = args.batch or (None if on_gpu else CPU_BATCH)
-    configs = [
-        ConfigPlan(module, config, args.steps or steps, seq_len, batch, args.recipe, overrides)
-        for module, config, steps in defaults
-    ]
+        if args.config:
+            defaults = [(line.check_plan(args.module, args.config), args.config, None)]
+        elif on_gpu:
+            raise ValueError(
+                f"on a GPU, name the config to validate: {line.config_example}, or --baseline an earlier "
+                "validate JSON to run its configs again (see docs/validate.md)"
+            )
+        else:
+            defaults = line.cpu_quick if args.quick else line.cpu_default
+        seq_len = args.seq_len or (None if on_gpu else CPU_QUICK_SEQ_LEN if args.quick else CPU_SEQ_LEN)
+        batch = args.batch or (None if on_gpu else CPU_BATCH)
+        configs = [
+            ConfigPlan(module, config, args.steps or steps, seq_len, batch, recipe, overrides, fp8_options(args))
+            for module, config, steps in defaults
+        ]
     for plan in configs:
         plan.fp8_config = line.fp8_config(plan)
     return configs
@@ -113,7 +156,7 @@ def _take(run: dict, metrics: Path, offset: int, bar) -> int:
             bar.update(1)
             bar.set_postfix(loss=f"{entry['loss']:.4f}")
         elif "routing" in entry:
-            run["routing"] = entry["routing"]
+            run["routing"], run["routing_data"] = entry["routing"], entry["routing_data"]
         elif "last_bit_flipped" in entry:
             run["last_bit_flipped"] = entry["last_bit_flipped"]
     return offset
@@ -130,16 +173,20 @@ def run_trainer(line, plan: ConfigPlan, role: str, seed: int, nproc: int, work: 
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TITAN_PRIMUS_VALIDATE_METRICS": str(metrics)}
     env.update(line.run_env(_fp8(role)))
     env.setdefault("OMP_NUM_THREADS", "1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    if _fp8(role):
+        env[FP8_OPTIONS_ENV] = json.dumps(plan.fp8_options)
     if role == "last_bit_floor":
         env["TITAN_PRIMUS_VALIDATE_LAST_BIT"] = "1"
     if not on_gpu:
         env["TITAN_PRIMUS_VALIDATE_CPU_LAUNCHER"] = str(line.cpu_launcher)
     module, config = line.run_names(plan, _fp8(role))
     run = {"module": module, "config": config, "seed": seed}
-    settings = " ".join(f"{k}={v}" for k, v in line.run_env(_fp8(role)).items())  # part of the command
+    shown = {**line.run_env(_fp8(role)), **({FP8_OPTIONS_ENV: env[FP8_OPTIONS_ENV]} if _fp8(role) else {})}
+    settings = " ".join(f"{k}={shlex.quote(v)}" for k, v in shown.items())  # part of the command
     command = f"{settings} {shlex.join(cmd)}" if settings else shlex.join(cmd)
-    run.update(last_bit=role == "last_bit_floor", command=command, steps=[], routing=None, status="ok")
+    run.update(
+        last_bit=role == "last_bit_floor", command=command, steps=[], routing=None, routing_data=None, status="ok"
+    )
     start, offset = time.perf_counter(), 0
     bar = tqdm(total=plan.steps, desc=f"{plan.config} {role}", unit="step", file=sys.stderr, mininterval=1)
     with log_path.open("w") as log:
@@ -162,103 +209,39 @@ def run_trainer(line, plan: ConfigPlan, role: str, seed: int, nproc: int, work: 
     return run
 
 
-# --- verdicts --------------------------------------------------------------------------------
+# --- the document ---------------------------------------------------------------------------
 
 
-def _pct(x: float | None) -> str:
-    return "nan" if x is None or math.isnan(x) else f"{100 * x:.2f}%"
+def judge_document(doc: dict, baseline: dict | None = None) -> dict:
+    """Every config's verdicts from its runs and ``doc["settings"]`` (against ``baseline``, an
+    earlier validate document, where given), and the summary; returns the document as strict JSON.
+    Verdicts already in ``doc`` are replaced, so a saved run can be judged again."""
+    settings = doc["settings"]
+    plans_now = [{k: r.get(k) for k in ("config",)} for r in doc["results"]]
+    befores = [b for _, b in pair(plans_now, baseline)] if baseline else [None] * len(doc["results"])
+    for result, before in zip(doc["results"], befores):
+        expected = (result.get("fp8_options") or {}).get("backend")
+        result["verdicts"] = judge(result, settings, expected, before["runs"] if before else None)
+        result.pop("baseline", None)
+        if before is not None:
+            result["verdicts"] += compare_with_baseline(result, before, settings)
+            result["baseline"] = {
+                "config": before["config"],
+                "runs": {role: {"steps": before["runs"][role]["steps"]} for role in ("bf16", "fp8")},
+            }
+    return conclude(doc)
 
 
-def _within(value: float, bound: float) -> bool:
-    return not math.isnan(value) and not math.isnan(bound) and value <= bound
-
-
-def judge(result: dict, window: int, seed_factor: float, spike_factor: float) -> list[Verdict]:
-    """The verdicts of one config's four runs (result["runs"]); fills result["floors"] and
-    result["gaps"]."""
-    runs = result["runs"]
-    verdicts = []
-    problems = []
-    for role, run in runs.items():
-        if run["status"] != "ok":
-            problems.append(f"{role}: {run['reason']}")
-        elif result["steps"] and len(run["steps"]) < result["steps"]:
-            problems.append(f"{role}: {len(run['steps'])} of {result['steps']} steps logged")
-    verdicts.append(
-        Verdict(
-            "runs complete",
-            not problems,
-            None,
-            None,
-            "; ".join(problems) or f"all {len(runs)} runs logged every step",
-        )
-    )
-    nonfinite = [f"{role}: {p}" for role, run in runs.items() for p in finite_problems(run["steps"])]
-    verdicts.append(
-        Verdict(
-            "finite loss and grad norm",
-            not nonfinite,
-            len(nonfinite),
-            0,
-            "; ".join(nonfinite[:6]) or "every loss and grad norm of every run is finite",
-        )
-    )
-    seed = curve_gaps(runs["seed_floor"]["steps"], runs["bf16"]["steps"], window)
-    last_bit = curve_gaps(runs["last_bit_floor"]["steps"], runs["fp8"]["steps"], window)
-    fp8 = curve_gaps(runs["fp8"]["steps"], runs["bf16"]["steps"], window)
-    result["floors"] = {"seed": seed, "last_bit": last_bit}
-    result["gaps"] = {"fp8_vs_bf16": fp8}
-    floor_note = "" if seed["final"] > 0 else " (a zero seed floor: the two seeds gave the same curve; pick another)"
-    bound = seed_factor * seed["final"]
-    verdicts.append(
-        Verdict(
-            "fp8 loss vs bf16, last window",
-            _within(fp8["final"], bound),
-            fp8["final"],
-            bound,
-            f"FP8's loss over the last {window} steps lies {_pct(fp8['final'])} from bf16's (mean per-step gap); "
-            f"bound {seed_factor:g} x seed floor {_pct(seed['final'])} = {_pct(bound)}{floor_note}",
-        )
-    )
-    bound = seed_factor * seed["curve"]
-    verdicts.append(
-        Verdict(
-            "fp8 loss curve vs bf16",
-            _within(fp8["curve"], bound),
-            fp8["curve"],
-            bound,
-            f"FP8's curve is at most {_pct(fp8['curve'])} from bf16's over any {window} steps "
-            f"(worst window ending at step {fp8['curve_step']}); bound {seed_factor:g} x seed floor "
-            f"{_pct(seed['curve'])} = {_pct(bound)}",
-        )
-    )
-    # Spikes bf16 lacks, judged against the seed floor: an equally good bf16 run at another seed
-    # has spikes bf16 lacks too (deepseek_v3's debug model, 50 steps on a CPU: 5 of them).
-    spikes = {
-        role: grad_norm_spikes(runs[role]["steps"], window, spike_factor) for role in ("fp8", "bf16", "seed_floor")
+def conclude(doc: dict) -> dict:
+    """The summary of every verdict; returns the document as strict JSON."""
+    failed = [f"{r['config']}: {v['name']}" for r in doc["results"] for v in r["verdicts"] if v["status"] != "pass"]
+    doc["summary"] = {
+        "verdicts": sum(len(r["verdicts"]) for r in doc["results"]),
+        "failed": len(failed),
+        "status": "fail" if failed else "pass",
+        "failed_verdicts": failed,
     }
-
-    def lacked_by_bf16(role: str) -> list[int]:
-        return [s for s in spikes[role] if not any(abs(s - b) <= 2 for b in spikes["bf16"])]
-
-    own, floor = lacked_by_bf16("fp8"), lacked_by_bf16("seed_floor")
-    verdicts.append(
-        Verdict(
-            "no more grad-norm spikes bf16 lacks than the seed floor",
-            len(own) <= len(floor),
-            len(own),
-            len(floor),
-            f"grad-norm spikes (> {spike_factor:g} x the median of the {window} steps before) bf16 lacks "
-            f"(within 2 steps): FP8 {own or 'none'}, the seed floor {floor or 'none'}; "
-            f"FP8's spikes {spikes['fp8'] or 'none'}, bf16's {spikes['bf16'] or 'none'}",
-        )
-    )
-    return verdicts
-
-
-# --- the baseline ----------------------------------------------------------------------------
-
-_PLAN_FIELDS = ("module", "config", "fp8_config", "steps", "seq_len", "batch", "recipe", "overrides")
+    return _finite_json(doc)
 
 
 def _stack(doc: dict) -> dict:
@@ -276,114 +259,6 @@ def _differences(before: dict, now: dict) -> list[dict]:
         for k in dict.fromkeys([*before, *now])
         if before.get(k) != now.get(k)
     ]
-
-
-def _settings_view(doc: dict, result: dict) -> dict:
-    view = {k: result.get(k) for k in _PLAN_FIELDS}
-    s = doc["settings"]
-    view.update({k: s.get(k) for k in ("seed", "floor_seed", "nproc", "backend", "window")})
-    return view
-
-
-def _pair(results: list[dict], baseline: list[dict]) -> list[tuple[dict, dict | None]]:
-    """Pair configs by name; a lone unmatched config on each side is paired anyway (its
-    differences listed)."""
-    by_name = {b["config"]: b for b in baseline}
-    pairs = [(r, by_name.get(r["config"])) for r in results]
-    lone_now = [r for r, b in pairs if b is None]
-    lone_before = [b for b in baseline if b["config"] not in {r["config"] for r in results}]
-    if len(lone_now) == 1 and len(lone_before) == 1:
-        pairs = [(r, lone_before[0] if b is None else b) for r, b in pairs]
-    return pairs
-
-
-def compare_with_baseline(doc: dict, baseline: dict, path: str, last_bit_factor: float, tps_tol: float, mem_tol: float):
-    """Add each config's baseline verdicts and the differences to ``doc``."""
-    doc["baseline"] = {
-        "path": path,
-        "date": baseline["environment"].get("date"),
-        "stack_differences": _differences(_stack(baseline), _stack(doc)),
-        "unmatched_baseline_configs": [],
-    }
-    pairs = _pair(doc["results"], baseline["results"])
-    matched = {id(b) for _, b in pairs if b is not None}
-    doc["baseline"]["unmatched_baseline_configs"] = [b["config"] for b in baseline["results"] if id(b) not in matched]
-    for result, before in pairs:
-        if before is None:
-            result["baseline"] = None
-            result["verdicts"].append(
-                Verdict(
-                    "baseline has this config",
-                    False,
-                    None,
-                    None,
-                    f"{path} has no run of {result['config']} (it has "
-                    f"{', '.join(b['config'] for b in baseline['results']) or 'none'})",
-                )
-            )
-            continue
-        floor = float(result["floors"]["last_bit"]["curve"])
-        result["baseline"] = {
-            "config": before["config"],
-            "settings_differences": _differences(_settings_view(baseline, before), _settings_view(doc, result)),
-            "runs": {role: {"steps": run["steps"]} for role, run in before["runs"].items() if role in ("bf16", "fp8")},
-        }
-        for role in ("fp8", "bf16"):
-            now_steps, before_steps = result["runs"][role]["steps"], before["runs"][role]["steps"]
-            gap = curve_gaps(now_steps, before_steps, doc["settings"]["window"])
-            bound = last_bit_factor * floor
-            result["verdicts"].append(
-                Verdict(
-                    f"{role} loss vs baseline",
-                    _within(gap["curve"], bound),
-                    gap["curve"],
-                    bound,
-                    f"{role}'s loss curve is at most {_pct(gap['curve'])} from the baseline's over any window "
-                    f"(last window {_pct(gap['final'])}; {gap['steps']} steps compared); bound "
-                    f"{last_bit_factor:g} x last-bit floor {_pct(floor)} = {_pct(bound)}",
-                )
-            )
-            tps, tps_before = median_tps(now_steps), median_tps(before_steps)
-            ratio = tps / tps_before if tps_before else math.nan
-            result["verdicts"].append(
-                Verdict(
-                    f"{role} tokens/s vs baseline",
-                    _within(1 - tps_tol, ratio),
-                    ratio,
-                    1 - tps_tol,
-                    f"{role}: {tps:,.0f} tokens/s (median) against the baseline's {tps_before:,.0f}: "
-                    f"{ratio:.3f}x; must be at least {1 - tps_tol:.3f}x",
-                )
-            )
-            mem, mem_before = peak_memory(now_steps), peak_memory(before_steps)
-            ratio = mem / mem_before if mem_before else math.nan
-            result["verdicts"].append(
-                Verdict(
-                    f"{role} memory vs baseline",
-                    _within(ratio, 1 + mem_tol),
-                    ratio,
-                    1 + mem_tol,
-                    f"{role}: peak {mem / 2**30:.3f} GiB against the baseline's {mem_before / 2**30:.3f} GiB: "
-                    f"{ratio:.3f}x; must be at most {1 + mem_tol:.3f}x",
-                )
-            )
-
-
-def conclude(doc: dict, baseline: dict | None, baseline_path: str | None, last_bit_factor: float, tps_tol, mem_tol):
-    """The baseline verdicts (if any) and the summary; returns the document as strict JSON."""
-    if baseline is not None:
-        compare_with_baseline(doc, baseline, baseline_path, last_bit_factor, tps_tol, mem_tol)
-    failed = [f"{r['config']}: {v['name']}" for r in doc["results"] for v in r["verdicts"] if v["status"] != "pass"]
-    doc["summary"] = {
-        "verdicts": sum(len(r["verdicts"]) for r in doc["results"]),
-        "failed": len(failed),
-        "status": "fail" if failed else "pass",
-        "failed_verdicts": failed,
-    }
-    return _finite_json(doc)
-
-
-# --- the command -----------------------------------------------------------------------------
 
 
 def _environment() -> dict:
@@ -433,46 +308,57 @@ def command(args, argv: list[str], out) -> int:
 
     line = trainer_line()
     on_gpu = torch.cuda.is_available()
-    if not on_gpu and not line.cpu_launcher.exists():
-        raise ValueError(
-            f"no GPU here, and the CPU launcher {line.cpu_launcher} is missing: run from a clone of titan-primus"
-        )
-    config_plans = plans(args, on_gpu, line)
     baseline = load_document(args.baseline) if args.baseline else None
-    if baseline is not None and baseline["kind"] != "validate":
-        raise ValueError(f"--baseline {args.baseline}: a {baseline['kind']} file, not a validate JSON")
-    if args.seed == args.floor_seed:
+    if baseline is not None:
+        check_baseline(baseline, args.baseline)
+    config_plans = plans(args, on_gpu, line, baseline)
+    seed, floor_seed = _setting(args, "seed", baseline), _setting(args, "floor_seed", baseline)
+    if seed == floor_seed:
         raise ValueError("--floor-seed must differ from --seed: the seed floor is bf16 at another seed")
     prepare_output(args.json)
     prepare_output(args.png)
-    nproc = args.nproc or (torch.cuda.device_count() if on_gpu else 1)
+    nproc = args.nproc or (baseline["settings"]["nproc"] if baseline else None)
+    nproc = nproc or (torch.cuda.device_count() if on_gpu else 1)
     settings = {
         "command": shlex.join(["titan-primus", *argv]),
         "quick": args.quick,
-        "seed": args.seed,
-        "floor_seed": args.floor_seed,
-        "window": args.window,
+        "seed": seed,
+        "floor_seed": floor_seed,
+        "window": _setting(args, "window", baseline),
         "nproc": nproc,
-        "recipe": args.recipe,
-        "backend": os.environ.get("TITAN_PRIMUS_BACKEND") or "auto",
+        "recipe": config_plans[0].recipe,
+        "backend": config_plans[0].fp8_options.get("backend", "auto"),
         "seed_factor": args.seed_factor,
         "last_bit_factor": args.last_bit_factor,
         "spike_factor": args.spike_factor,
         "tps_tolerance": args.tps_tolerance,
         "memory_tolerance": args.memory_tolerance,
+        "allow_mismatch": sorted(args.allow_mismatch),
     }
+    plan_dicts = [asdict(p) for p in config_plans]
     doc = document("validate", _environment(), settings, [], {})
+    if baseline is not None:
+        found = mismatches(plan_dicts, settings, baseline)
+        try:
+            refuse_mismatches(found, set(args.allow_mismatch), args.baseline)
+        except BaselineMismatch as e:
+            print(f"titan-primus validate: FAIL before training: {e}", file=sys.stderr)
+            return 1
+        doc["baseline"] = {
+            "path": args.baseline,
+            "date": baseline["environment"].get("date"),
+            "stack_differences": _differences(_stack(baseline), _stack(doc)),
+            "allowed_differences": found,
+        }
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="titan-primus-validate-") as tmp:
         work = Path(args.work_dir) if args.work_dir else Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         for plan in config_plans:
-            seeds = {"bf16": args.seed, "fp8": args.seed, "seed_floor": args.floor_seed, "last_bit_floor": args.seed}
+            seeds = {"bf16": seed, "fp8": seed, "seed_floor": floor_seed, "last_bit_floor": seed}
             runs = {role: run_trainer(line, plan, role, seeds[role], nproc, work, on_gpu) for role in ROLES}
-            result = {**asdict(plan), "fp8_config": plan.fp8_config, "runs": runs, "routing": runs["fp8"]["routing"]}
-            result["verdicts"] = judge(result, args.window, args.seed_factor, args.spike_factor)
-            doc["results"].append(result)
-    doc = conclude(doc, baseline, args.baseline, args.last_bit_factor, args.tps_tolerance, args.memory_tolerance)
+            doc["results"].append({**asdict(plan), "runs": runs, "routing": runs["fp8"]["routing"]})
+    doc = judge_document(doc, baseline)
     doc["summary"]["wall_s"] = round(time.perf_counter() - started, 1)
     if args.json:
         write_document(args.json, doc)

@@ -3,10 +3,11 @@
 set from the environment, and nothing else changed. Where each hook sits on each line:
 lines.py.
 
-- ``TITAN_PRIMUS_VALIDATE_METRICS=PATH``: rank 0 appends one JSON line per logged step to PATH
-  (loss, grad norm, tokens/s, peak memory) as the trainer hands them to its metric loggers
-  (a wrapper around the logger ``MetricsProcessor`` builds), and one line with titan-primus's
-  routing summary when the converter runs. The figures are the trainer's own; the console log is
+- ``TITAN_PRIMUS_VALIDATE_METRICS=PATH``: the rank that holds the loss (TorchTitan's metrics
+  rank: under pipeline parallelism the last stage's) appends one JSON line per logged step to
+  PATH (loss, grad norm, tokens/s, peak memory) as the trainer hands them to its metric loggers
+  (a wrapper around the logger ``MetricsProcessor`` builds), and rank 0 one line with
+  titan-primus's routing summary and data when the converter runs. The figures are the trainer's own; the console log is
   not parsed.
 - ``TITAN_PRIMUS_VALIDATE_LAST_BIT=1``: once the trainer has initialised the model, the lowest
   mantissa bit of every floating-point parameter is flipped: a numerically trivial change whose
@@ -16,9 +17,9 @@ Run as a file (``torchrun .../validate/launch.py ARGS``); the arguments are ``to
 ``TITAN_PRIMUS_VALIDATE_CPU_LAUNCHER=PATH`` names the CPU launcher.
 """
 
+import importlib
 import json
 import os
-import sys
 from pathlib import Path
 
 METRICS_ENV = "TITAN_PRIMUS_VALIDATE_METRICS"
@@ -28,7 +29,8 @@ _INT_VIEWS = {2: "int16", 4: "int32", 8: "int64"}
 
 
 def _record(entry: dict) -> None:
-    if os.environ.get("RANK", "0") != "0":
+    # Steps come from the one rank whose logger records them; everything else from rank 0.
+    if "step" not in entry and os.environ.get("RANK", "0") != "0":
         return
     with open(os.environ[METRICS_ENV], "a") as f:
         f.write(json.dumps(entry) + "\n")
@@ -55,8 +57,7 @@ def main() -> None:
     cpu_launcher = os.environ.get(CPU_LAUNCHER_ENV)
     if cpu_launcher:
         # Its device and attention workarounds must precede every other torchtitan import.
-        sys.path.insert(0, str(Path(cpu_launcher).parent))
-        import cpu_launch  # noqa: F401
+        importlib.import_module(f"titan_primus.cpu_trainer.{Path(cpu_launcher).stem}")
 
     from titan_primus.cli.validate.lines import trainer_line
 
@@ -66,9 +67,9 @@ def main() -> None:
     )
     code = train()
     if cpu_launcher:
-        import cpu_world
+        from titan_primus.cpu_trainer.world import exit_without_teardown
 
-        cpu_world.exit_without_teardown(code)
+        exit_without_teardown(code)
 
 
 if __name__ == "__main__":

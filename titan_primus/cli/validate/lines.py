@@ -11,22 +11,31 @@ weights get their last-bit flip, and how the trainer is started.
 - 0.2.x: ``--job.config_file TOML`` (FP8: titan-primus's converter added to ``model.converters``,
   ``--titan_primus.recipe``; bf16: it is removed); the logger ``metrics._build_metric_logger``
   builds; the model parts once ``Trainer.__init__`` has initialised them.
+
+On both lines the steps are recorded on the rank TorchTitan itself logs metrics from
+(``_get_metrics_rank``: under pipeline parallelism the first rank of the last stage, the one
+that holds the loss), and the FP8-only options (``FP8_OPTIONS_ENV``) are set on the converter's
+options as it is built, so the bf16 runs never see them.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-
+import json
 import os
 import tomllib
+from abc import ABC, abstractmethod
 from pathlib import Path
 
-__all__ = ["Line02", "Line03", "TrainerLine", "trainer_line"]
+from ... import cpu_trainer
 
+__all__ = ["FP8_OPTIONS_ENV", "Line02", "Line03", "TrainerLine", "trainer_line"]
+
+# The 0.2.x CPU defaults are example TOMLs of a clone (examples/torchtitan02).
 REPO = Path(__file__).resolve().parents[3]
-ASSETS = REPO / "examples" / "assets"
 # On 0.2.x, whether a run trains with titan-primus's converter (set by validate for every run).
 CONVERTER_ENV = "TITAN_PRIMUS_VALIDATE_CONVERTER"
+# The converter options of the FP8 runs only (a JSON object of ConversionOptions fields).
+FP8_OPTIONS_ENV = "TITAN_PRIMUS_VALIDATE_FP8_OPTIONS"
 METRIC_KEYS = {
     "loss": "loss_metrics/global_avg_loss",
     "grad_norm": "grad_norm",
@@ -35,16 +44,22 @@ METRIC_KEYS = {
 }
 
 
+def fp8_options() -> dict:
+    """The FP8-only converter options validate handed this run (empty for the bf16 runs)."""
+    return json.loads(os.environ.get(FP8_OPTIONS_ENV) or "{}")
+
+
 def recording_logger(base_logger_cls, record):
     """A metric logger class that records each training step's metrics (the trainer's own figures,
-    the same keys on both lines), then hands them to the loggers the config chose."""
+    the same keys on both lines) on the rank that holds the loss (``records``), then hands them to
+    the loggers the config chose."""
 
     class RecordingLogger(base_logger_cls):
-        def __init__(self, inner):
-            self.inner = inner
+        def __init__(self, inner, records: bool):
+            self.inner, self.records = inner, records
 
         def log(self, metrics, step):
-            if METRIC_KEYS["loss"] in metrics:
+            if self.records and METRIC_KEYS["loss"] in metrics:
                 record(
                     {
                         "step": int(step),
@@ -63,12 +78,13 @@ def recording_logger(base_logger_cls, record):
 
 
 def record_routing(converter_cls, method: str, record) -> None:
-    """After each conversion (``converter_cls.method``), record the converter's routing summary."""
+    """After each conversion (``converter_cls.method``), record the converter's routing summary
+    and its data (the FP8-engaged verdict reads it)."""
     convert = getattr(converter_cls, method)
 
     def convert_and_record(self, *args, **kwargs):
         converted = convert(self, *args, **kwargs)
-        record({"routing": self.report.summary()})
+        record({"routing": self.report.summary(), "routing_data": self.report.as_dict()})
         return converted
 
     setattr(converter_cls, method, convert_and_record)
@@ -113,7 +129,7 @@ class TrainerLine(ABC):
 def _common_args(plan, seed: int, on_gpu: bool, tokenizer: str, dataset: str) -> list[str]:
     args = []
     if not on_gpu or "debug" in plan.config:  # the debug models train on the shipped tokenizer and corpus
-        args += [tokenizer, str(ASSETS / "tokenizer"), dataset, str(ASSETS / "corpus")]
+        args += [tokenizer, str(cpu_trainer.TOKENIZER), dataset, str(cpu_trainer.CORPUS)]
     for flag, value in (("steps", plan.steps), ("seq_len", plan.seq_len), ("local_batch_size", plan.batch)):
         if value:
             args += [f"--training.{flag}", str(value)]
@@ -122,7 +138,7 @@ def _common_args(plan, seed: int, on_gpu: bool, tokenizer: str, dataset: str) ->
 
 class Line03(TrainerLine):
     name = "0.3"
-    cpu_launcher = REPO / "examples" / "cpu_launch.py"
+    cpu_launcher = cpu_trainer.LAUNCHER
     cpu_default = [("llama3", "llama3_debugmodel", 200), ("deepseek_v3", "deepseek_v3_debugmodel", 50)]
     cpu_quick = [("llama3", "llama3_debugmodel", 20)]
     config_example = "--module llama3 --config llama3_8b"
@@ -151,21 +167,32 @@ class Line03(TrainerLine):
     def install_hooks(self, record, flip_last_bit, metrics, last_bit):
         import sys
 
+        if "titan_primus" in sys.argv:  # the FP8 runs (--module titan_primus)
+            import dataclasses
+
+            from titan_primus.torchtitan.converter import Float8Converter
+
+            options, init = fp8_options(), Float8Converter.__init__
+
+            def init_with_options(self, config):
+                init(self, dataclasses.replace(config, **options))
+
+            Float8Converter.__init__ = init_with_options
+            if metrics:
+                # convert() calls it, and the ready configs (config_registry.with_fp8) call it directly.
+                record_routing(Float8Converter, "convert_model", record)
         if metrics:
-            from torchtitan.components.metrics import BaseLogger, MetricsProcessor
+            import torch.distributed as dist
+            from torchtitan.components.metrics import BaseLogger, MetricsProcessor, _get_metrics_rank
 
             logger_cls = recording_logger(BaseLogger, record)
             build_metric_logger = MetricsProcessor._build_metric_logger
 
             def build_recording_logger(self, *args, **kwargs):
-                return logger_cls(build_metric_logger(self, *args, **kwargs))
+                rank = _get_metrics_rank(parallel_dims=kwargs["parallel_dims"], pp_schedule=kwargs["pp_schedule"])
+                return logger_cls(build_metric_logger(self, *args, **kwargs), dist.get_rank() == rank)
 
             MetricsProcessor._build_metric_logger = build_recording_logger
-            if "titan_primus" in sys.argv:  # the FP8 runs (--module titan_primus)
-                from titan_primus.torchtitan.converter import Float8Converter
-
-                # convert() calls it, and the ready configs (config_registry.with_fp8) call it directly.
-                record_routing(Float8Converter, "convert_model", record)
         if last_bit:
             from torchtitan.protocols.model import BaseModel
 
@@ -183,7 +210,7 @@ class Line03(TrainerLine):
 
 class Line02(TrainerLine):
     name = "0.2.x"
-    cpu_launcher = REPO / "examples" / "torchtitan02" / "cpu_launch.py"
+    cpu_launcher = cpu_trainer.LAUNCHER_02
     cpu_default = [
         ("llama3", "examples/torchtitan02/llama3_debug_fp8.toml", 200),
         ("deepseek_v3", "examples/torchtitan02/deepseek_v3_debug_fp8.toml", 50),
@@ -242,18 +269,30 @@ class Line02(TrainerLine):
             return config
 
         ConfigManager.parse_args = parse_args_with_converter
+        if fp8:
+            from titan_primus.torchtitan02.converter import Float8Converter
+
+            options, init = fp8_options(), Float8Converter.__init__
+
+            def init_with_options(self, job_config, parallel_dims):
+                for name, value in options.items():
+                    setattr(job_config.titan_primus, name, value)
+                init(self, job_config, parallel_dims)
+
+            Float8Converter.__init__ = init_with_options
+            if metrics:
+                record_routing(Float8Converter, "convert", record)
         if metrics:
+            import torch.distributed as dist
+
             logger_cls = recording_logger(tt_metrics.BaseLogger, record)
             build_metric_logger = tt_metrics._build_metric_logger  # MetricsProcessor.__init__ calls it by name
 
-            def build_recording_logger(*args, **kwargs):
-                return logger_cls(build_metric_logger(*args, **kwargs))
+            def build_recording_logger(job_config, parallel_dims, *args, **kwargs):
+                records = dist.get_rank() == tt_metrics._get_metrics_rank(parallel_dims, job_config)
+                return logger_cls(build_metric_logger(job_config, parallel_dims, *args, **kwargs), records)
 
             tt_metrics._build_metric_logger = build_recording_logger
-            if fp8:
-                from titan_primus.torchtitan02.converter import Float8Converter
-
-                record_routing(Float8Converter, "convert", record)
         trainer_cls = Trainer
         if last_bit:
 

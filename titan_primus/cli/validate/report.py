@@ -14,7 +14,7 @@ __all__ = ["plot_validate_png", "render_validate_markdown"]
 
 def _pct(x) -> str:
     x = float(x) if x is not None else math.nan
-    return "nan" if math.isnan(x) else f"{100 * x:.2f}%"
+    return "nan" if math.isnan(x) else f"{100 * x:.3g}%"
 
 
 def _last_loss(steps: list[dict]) -> str:
@@ -41,8 +41,15 @@ def render_validate_markdown(doc: dict, label: str) -> str:
             if diffs
             else "The stack is the same as the baseline's."
         )
-        if baseline.get("unmatched_baseline_configs"):
-            out += ["", f"Baseline configs not run now: {', '.join(baseline['unmatched_baseline_configs'])}"]
+        allowed = baseline.get("allowed_differences") or []
+        if allowed:
+            out += ["", "Settings that differ from the baseline's, allowed by --allow-mismatch:", ""]
+            out.append(
+                markdown_table(
+                    ["setting", "config", "baseline", "now"],
+                    [[d["field"], d["config"], str(d["baseline"]), str(d["now"])] for d in allowed],
+                )
+            )
         out.append("")
     for result in doc["results"]:
         out += [f"## {result['config']} ({result['module']}; FP8: titan_primus {result['fp8_config']})", ""]
@@ -69,24 +76,19 @@ def render_validate_markdown(doc: dict, label: str) -> str:
         ]
         floors = result.get("floors", {})
         if floors:
-            out.append(
-                f"Floors (mean per-step loss gap over the last window / worst window): seed "
-                f"{_pct(floors['seed']['final'])} / {_pct(floors['seed']['curve'])}, last bit "
-                f"{_pct(floors['last_bit']['final'])} / {_pct(floors['last_bit']['curve'])}; FP8 vs bf16 "
-                f"{_pct(result['gaps']['fp8_vs_bf16']['final'])} / {_pct(result['gaps']['fp8_vs_bf16']['curve'])}."
-            )
-            out.append("")
-        before = result.get("baseline")
-        if before and before["settings_differences"]:
-            out.append(f"Compared with the baseline's {before['config']}, whose settings differ:")
-            out.append("")
-            out.append(
-                markdown_table(
-                    ["setting", "baseline", "now"],
-                    [[d["field"], str(d["baseline"]), str(d["now"])] for d in before["settings_differences"]],
-                )
-            )
-            out.append("")
+            rows = [
+                [
+                    key,
+                    *(
+                        f"{_pct(f[key]['final'])} / {_pct(f[key]['curve'])}"
+                        for f in (floors["seed"], floors["last_bit"])
+                    ),
+                    f"{_pct(result['gaps']['fp8_vs_bf16'][key]['final'])} / {_pct(result['gaps']['fp8_vs_bf16'][key]['curve'])}",
+                ]
+                for key in floors["seed"]
+            ]
+            out.append("Gaps between windowed means (last window / worst window):")
+            out += ["", markdown_table(["curve", "seed floor", "last-bit floor", "FP8 vs bf16"], rows), ""]
         out.append(
             markdown_table(
                 ["verdict", "status", "figures"],

@@ -1,12 +1,14 @@
-"""The arithmetic of ``titan-primus validate``'s verdicts: loss-curve gaps, the two noise floors
-measured in the same invocation, grad-norm spikes, and the comparison with a baseline.
+"""The arithmetic of ``titan-primus validate``'s verdicts: the gap between two curves, the noise
+floors measured in the same invocation, grad-norm spikes, tokens/s and memory.
 
-A gap between two loss curves is computed per step as ``|a - b| / |b|`` over the steps both
-have, then averaged over a sliding window of ``window`` steps: the *final* gap is the mean over
-the last window, the *curve* gap the largest mean over any window. The same statistic measures
-FP8 against bf16 and the floors (bf16 at another seed against bf16: the seed floor; FP8 with its
+The gap between two curves (loss, or grad norm) is the gap between their windowed means: over
+each window of ``window`` consecutive steps both have, ``|mean(a) - mean(b)| / |mean(b)|``. Per-step
+noise of either run averages out inside a window before the two are compared, so what remains is
+a difference in level: a run that learns slower, a gradient off in scale. The *final* gap is the
+last window's, the *curve* gap the largest over all windows. The same statistic measures FP8
+against bf16 and the floors (bf16 at another seed against bf16: the seed floor; FP8 with its
 initial weights changed in the last bit against FP8: the last-bit floor), so each bound compares
-like with like. A non-finite loss makes its gap NaN, and NaN passes no bound.
+like with like. A non-finite value makes its gap NaN, and NaN passes no bound.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import statistics
 __all__ = [
     "Verdict",
     "curve_gaps",
+    "identical",
     "finite_problems",
     "grad_norm_spikes",
     "median_tps",
@@ -40,24 +43,35 @@ def _by_step(steps: list[dict], key: str) -> dict[int, float]:
     return {int(s["step"]): float(s[key]) for s in steps}
 
 
-def curve_gaps(a: list[dict], b: list[dict], window: int) -> dict:
-    """``final`` and ``curve`` gap of loss curve ``a`` against ``b`` (fractions), the step where
-    the curve gap peaks, and how many steps the two share."""
-    la, lb = _by_step(a, "loss"), _by_step(b, "loss")
-    common = sorted(set(la) & set(lb))
+def curve_gaps(a: list[dict], b: list[dict], window: int, key: str = "loss") -> dict:
+    """``final`` and ``curve`` gap (fractions) of curve ``key`` of run ``a`` against run ``b``, the
+    step where the curve gap peaks, and how many steps the two share."""
+    va, vb = _by_step(a, key), _by_step(b, key)
+    common = sorted(set(va) & set(vb))
     if not common:
         return {"final": math.nan, "curve": math.nan, "curve_step": None, "steps": 0}
-    rel = [abs(la[s] - lb[s]) / abs(lb[s]) if lb[s] else math.inf for s in common]
-    rel = [r if math.isfinite(r) else math.nan for r in rel]  # an inf/NaN loss: no bound holds
-    width = max(1, min(window, len(rel)))
-    means = [sum(rel[i - width : i]) / width for i in range(width, len(rel) + 1)]
-    worst = max(range(len(means)), key=lambda i: means[i] if not math.isnan(means[i]) else math.inf)
+    width = max(1, min(window, len(common)))
+    gaps = []
+    for end in range(width, len(common) + 1):
+        steps = common[end - width : end]
+        mean_a, mean_b = (sum(v[s] for s in steps) / width for v in (va, vb))
+        gap = abs(mean_a - mean_b) / abs(mean_b) if mean_b else math.inf
+        gaps.append(gap if math.isfinite(gap) else math.nan)  # an inf/NaN value: no bound holds
+    nan = any(math.isnan(g) for g in gaps)
+    worst = max(range(len(gaps)), key=lambda i: math.inf if math.isnan(gaps[i]) else gaps[i])
     return {
-        "final": means[-1],
-        "curve": means[worst] if not any(math.isnan(m) for m in means) else math.nan,
+        "final": gaps[-1],
+        "curve": math.nan if nan else gaps[worst],
         "curve_step": common[worst + width - 1],
         "steps": len(common),
     }
+
+
+def identical(a: list[dict], b: list[dict]) -> bool:
+    """Whether two runs logged bitwise the same losses and grad norms at the same steps."""
+    return bool(a) and [(s["step"], s["loss"], s["grad_norm"]) for s in a] == [
+        (s["step"], s["loss"], s["grad_norm"]) for s in b
+    ]
 
 
 def finite_problems(steps: list[dict]) -> list[str]:

@@ -2,10 +2,10 @@
 
 Usage (from the repository root; arguments are exactly ``torchtitan.train``'s)::
 
-    OMP_NUM_THREADS=1 python examples/torchtitan02/cpu_launch.py \\
+    OMP_NUM_THREADS=1 python titan_primus/cpu_trainer/launch02.py \\
         --job.config_file examples/torchtitan02/llama3_debug_fp8.toml
 
-``torchrun --standalone --nproc_per_node=1 examples/torchtitan02/cpu_launch.py ...`` works too;
+``torchrun --standalone --nproc_per_node=1 titan_primus/cpu_trainer/launch02.py ...`` works too;
 a plain ``python`` run gets a single-process world here. Use ``OMP_NUM_THREADS=1`` on a 2-core
 machine.
 
@@ -17,13 +17,13 @@ in-process import it before anything from torchtitan.
 
 import functools
 import sys
-from pathlib import Path
 
 import torch
 import torch._utils
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # examples/, for cpu_world
-import cpu_world  # noqa: E402  (0) offline Hugging Face, (1) a single-process world without torchrun
+from titan_primus.cpu_trainer import (
+    world as cpu_world,
+)  # (0) offline Hugging Face, (1) a single-process world without torchrun
 
 # (2) tools/utils.py picks `_get_available_device_type() or "cuda"` when it is imported, and
 #     importing any torchtitan module imports it (torchtitan/__init__ registers the quantization
@@ -32,7 +32,9 @@ import cpu_world  # noqa: E402  (0) offline Hugging Face, (1) a single-process w
 #     questions while torchtitan is first imported, then handing torch its functions back.
 #     torch.cpu lacks the memory/introspection calls the trainer makes: cpu_world supplies them.
 if "torchtitan" in sys.modules:
-    raise RuntimeError("import cpu_launch before anything from torchtitan: it picks its device when first imported")
+    raise RuntimeError(
+        "import titan_primus.cpu_trainer.launch02 before anything from torchtitan: it picks its device when first imported"
+    )
 _available_device_type, _device_module = torch._utils._get_available_device_type, torch._utils._get_device_module
 torch._utils._get_available_device_type = lambda: "cpu"
 torch._utils._get_device_module = lambda kind: cpu_world.CPU_DEVICE_MODULE if kind == "cpu" else _device_module(kind)

@@ -4,9 +4,9 @@
 Usage (from the repository root; arguments are exactly ``torchtitan.train``'s)::
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=1 \\
-        examples/cpu_launch.py --module llama3 --config llama3_debugmodel \\
-        --hf_assets_path examples/assets/tokenizer \\
-        --dataloader.dataset_path examples/assets/corpus \\
+        titan_primus/cpu_trainer/launch.py --module llama3 --config llama3_debugmodel \\
+        --hf_assets_path titan_primus/cpu_trainer/assets/tokenizer \\
+        --dataloader.dataset_path titan_primus/cpu_trainer/assets/corpus \\
         --training.steps 5 --training.seq_len 256 --training.local_batch_size 2
 
 Other stock debug configs: ``--module deepseek_v3 --config deepseek_v3_debugmodel``,
@@ -17,7 +17,7 @@ checkpoints (a rerun with the same dump folder resumes from the latest
 needs a C compiler), ``--debug.seed 42`` for a reproducible init.
 (The assets come from ``examples/make_assets.py``.)
 
-``python examples/cpu_launch.py ...`` also works for one process: the launcher
+``python titan_primus/cpu_trainer/launch.py ...`` also works for one process: the launcher
 then sets the torchrun environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR,
 MASTER_PORT) itself. Use ``OMP_NUM_THREADS=1`` on a 2-core machine.
 
@@ -39,7 +39,9 @@ import inspect
 import sys
 from pathlib import Path
 
-import cpu_world  # (0) offline Hugging Face, (1) a single-process world without torchrun
+from titan_primus.cpu_trainer import (
+    world as cpu_world,
+)  # (0) offline Hugging Face, (1) a single-process world without torchrun
 
 # (2) tools/utils.py picks `_get_available_device_type() or "cuda"`, so with no
 #     accelerator the trainer calls torch.cuda.set_device and dies. Several
