@@ -226,8 +226,9 @@ def test_a_baseline_compares_like_with_like(quick, tmp_path):
     with pytest.raises(BaselineMismatch, match="steps"):
         refuse_mismatches(found, set(), "shorter.json")
     refuse_mismatches(found, {"steps"}, "shorter.json")
-    text = _verdict(_judged(doc, shorter), "fp8 loss curve vs baseline")["text"]
-    assert "5 steps compared" in text, text
+    judged = _judged(doc, shorter)
+    text = _verdict(judged, "fp8 loss curve vs baseline")["text"]
+    assert "5 steps compared" in text and "5 steps compared" in render_validate_markdown(judged, "x"), text
     # Every setting named: another seed and an FP8-only option.
     other = copy.deepcopy(doc)
     other["settings"]["seed"] = 7
