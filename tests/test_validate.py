@@ -10,6 +10,7 @@ import copy
 import fcntl
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -401,3 +402,33 @@ def test_the_injected_casts_are_the_regressions_they_name():
     clipped = cast("saturation", 0.5)
     assert clipped.abs().max() <= 0.5 * torch.finfo(torch.float8_e4m3fn).max
     assert torch.equal(clipped[healthy.abs() < 200], healthy[healthy.abs() < 200])
+
+
+@pytest.mark.multiprocess
+def test_under_pipeline_parallelism_the_steps_come_from_the_last_stage(tmp_path):
+    """2 gloo ranks, pipeline parallel degree 2: rank 0 (the first stage) logs a loss of -1.0, the
+    last stage the real one; validate records the last stage's, once per step."""
+    from titan_primus import cpu_trainer
+    from titan_primus.cli.validate import command
+    from titan_primus.cli.validate.launch import CPU_LAUNCHER_ENV, METRICS_ENV
+
+    metrics = tmp_path / "metrics.jsonl"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env.update({METRICS_ENV: str(metrics), CPU_LAUNCHER_ENV: str(cpu_trainer.LAUNCHER)})
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    cmd += [str(command.LAUNCH_SCRIPT), "--module", "llama3", "--config", "llama3_debugmodel"]
+    cmd += ["--hf_assets_path", str(cpu_trainer.TOKENIZER), "--dataloader.dataset_path", str(cpu_trainer.CORPUS)]
+    cmd += ["--training.steps", "2", "--training.seq_len", "64", "--training.local_batch_size", "2"]
+    cmd += ["--metrics.log_freq", "1", "--checkpoint.no-enable", "--validator.no-enable"]
+    cmd += ["--dump_folder", str(tmp_path / "dump"), "--parallelism.pipeline_parallel_degree", "2"]
+    cmd += ["--training.disable_cuda_graphs"]  # TorchTitan 0.3 refuses PP with its CUDA-graph default
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    logged = re.findall(r"step:\s*(\d+)\s+loss:\s*(-?[0-9.]+)", re.sub(r"\x1b\[[0-9;]*m", "", log))
+    assert {float(loss) for _, loss in logged} >= {-1.0}, logged  # the first stage's placeholder
+    real = {int(step): float(loss) for step, loss in logged if float(loss) != -1.0}
+    recorded = [json.loads(line) for line in metrics.read_text().splitlines()]
+    steps = [r for r in recorded if "step" in r]
+    assert [s["step"] for s in steps] == [1, 2], recorded
+    assert all(abs(s["loss"] - real[s["step"]]) < 1e-4 for s in steps), (steps, real)
