@@ -1,4 +1,4 @@
-"""Selective activation checkpointing that keeps the FP8 GEMMs: TorchTitan 0.3's own seam
+"""Selective activation checkpointing with the FP8 GEMMs under its policy: TorchTitan 0.3's own seam
 ("to customize the per-op SAC save set, subclass ``SelectiveAC`` and override ``get_save_ops``").
 
 The converter's config-registry entries (``--module titan_primus --config <stock>_fp8``) use it
@@ -7,11 +7,10 @@ in place of a stock ``SelectiveAC.Config``; in a config of one's own::
     from titan_primus.torchtitan import with_fp8_gemms_saved
     config.activation_checkpoint = with_fp8_gemms_saved(config.activation_checkpoint)
 
-(``Fp8SelectiveAC.Config()`` for a new one). A converter cannot do this itself (TorchTitan hands it
-the model config only): ``Float8Converter.convert`` logs this fix whenever it converts a layer.
-
-or, on a stock config from the command line, ``--override.imports
-titan_primus.torchtitan.overrides.fp8_selective_ac``.
+(``Fp8SelectiveAC.Config()`` for a new one), or, on a stock config from the command line,
+``--override.imports titan_primus.torchtitan.overrides.fp8_selective_ac``. A converter cannot do
+this itself (TorchTitan hands it the model config only): ``Float8Converter.convert`` logs the fix
+the first time it converts in a process. What each ``fp8_gemms`` keeps: docs/memory.md.
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ class Fp8SelectiveAC(SelectiveAC):
     """TorchTitan's per-op selective activation checkpointing, with every titan-primus backend's
     FP8 GEMMs in the policy: each block's FP8 GEMMs alternate, the second, fourth, ... recomputed
     in backward, as TorchTitan's policy does for ``aten.mm`` (``fp8_gemms="alternate"``), or all
-    saved (``"save"``: three FP8 GEMMs per op per step, about twice the linear outputs kept).
+    saved (``"save"``: three FP8 GEMMs per op per step, 1.75x the linear outputs on Llama3-8B).
     What each keeps: docs/memory.md."""
 
     @dataclass(kw_only=True, slots=True)
