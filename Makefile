@@ -32,16 +32,21 @@ OLDEST_TORCHTITAN := 0.2.2
 # the module is missing, so a ROCm Triton is never replaced.
 ensure_triton = $(1) -c "import triton" 2>/dev/null || $(1) -m pip install -q triton
 
-.PHONY: setup setup-oldest lint test test-turbo test-tt02 test-oldest test-tt-next demo clean
+.PHONY: setup setup-oldest lint test test-newest test-turbo test-tt02 test-oldest test-tt-next demo clean
 
 setup: $(STAMP)
+
+# torch is pinned so pip takes the local 2.14.1 wheel instead of resolving a newer one; TORCH and
+# STACK_PINS (pip requirements, e.g. "torchao==0.18.0 torchtitan==0.3.0") choose another stack, in
+# another VENV (test-newest).
+TORCH      ?= 2.14.1
+STACK_PINS ?=
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# torch is pinned here so pip takes the local 2.14.1 wheel instead of resolving a newer one.
-	$(PY) -m pip install -q "torch==2.14.1"
-	$(PY) -m pip install -q -e ".[test,torchtitan]"
+	$(PY) -m pip install -q "torch==$(TORCH)"
+	$(PY) -m pip install -q -e ".[test,torchtitan]" $(STACK_PINS)
 	$(call ensure_triton,$(PY))
 	touch $@
 
@@ -66,6 +71,17 @@ lint: $(STAMP_LINT)
 test: $(STAMP)
 	$(call run,$(VENV)) $(PY) $(PYTEST)
 	$(MAKE) --no-print-directory test-turbo
+
+# make test on the newest stack the 0.3 adapter is tested on: the newest registry torch with
+# TorchTitan 0.3.0 and TorchAO 0.18.0, in .venv-newest (the suite and the real-code tier). The
+# GitHub cpu workflow's newest-stack job runs it (ci/newest.sh); here pip is capped at torch 2.14.1.
+NEWEST_TORCH      := 2.15.0
+NEWEST_TORCHAO    := 0.18.0
+NEWEST_TORCHTITAN := 0.3.0
+
+test-newest:
+	$(MAKE) --no-print-directory test VENV=.venv-newest TORCH=$(NEWEST_TORCH) \
+		STACK_PINS="torchao==$(NEWEST_TORCHAO) torchtitan==$(NEWEST_TORCHTITAN)"
 
 # The tier on Primus-Turbo's own Python and Triton code (tests/real_turbo), under Triton's
 # interpreter: one process per build and architecture (Primus-Turbo registers its ops and picks
@@ -165,4 +181,4 @@ test-tt-next: $(STAMP_TT_NEXT)
 	$(call run,$(VENV_TT_NEXT)) $(PY_TT_NEXT) $(PYTEST) $(TT_NEXT_TESTS) -k "$(TT_NEXT_SELECT)"
 
 clean:
-	rm -rf $(VENV) $(VENV_TT02) $(VENV_OLDEST) $(VENV_TT_NEXT) $(VENV_LINT) outputs .pytest_cache .ruff_cache
+	rm -rf $(VENV) .venv-newest $(VENV_TT02) $(VENV_OLDEST) $(VENV_TT_NEXT) $(VENV_LINT) outputs .pytest_cache .ruff_cache

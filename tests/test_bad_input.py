@@ -3,6 +3,8 @@
 import pytest
 import torch
 from helpers import make_offsets
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import titan_primus as tp
 
@@ -45,7 +47,7 @@ def test_linear_errors(overrides, message):
         ({"offs": torch.tensor([6, 4], dtype=torch.int32)}, "non-decreasing"),
         (
             {"offs": torch.tensor([4, 11], dtype=torch.int32)},
-            r"offs\[-1\] \(11\) exceeds the number of rows of A \(10\)",
+            r"offs\[-1\] exceeds the number of rows of A \(10\).*got \[4, 11\]",
         ),
         ({"offs": make_offsets([4, 3, 3])}, r"one entry per expert: shape \(2,\)"),
         ({"A": torch.randn(10, 24)}, r"A's K \(24\) must equal B_t's K \(32\)"),
@@ -61,3 +63,39 @@ def test_grouped_mm_errors(overrides, message):
 def test_select_backend_rejects_unknown_op():
     with pytest.raises(ValueError, match="unknown op 'conv'"):
         tp.select_backend("conv")
+
+
+class HostReads(TorchDispatchMode):
+    """Counts the ops that read a tensor on the host (each one a device-to-host sync on a GPU)
+    and the device-side asserts."""
+
+    def __init__(self):
+        super().__init__()
+        self.host_reads = 0
+        self.device_asserts = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        to_host = func is torch.ops.aten._to_copy.default and str(kwargs.get("device")) == "cpu"
+        self.host_reads += func is torch.ops.aten._local_scalar_dense.default or to_host
+        self.device_asserts += func is torch.ops.aten._assert_async.msg
+        return func(*args, **kwargs)
+
+
+def test_grouped_mm_adds_no_host_sync_on_a_gpu():
+    # Fake CUDA tensors: the op runs as it would on a GPU, and any host read of one raises.
+    with FakeTensorMode():
+        A = torch.randn(10, 32, device="cuda", dtype=torch.bfloat16)
+        B_t = torch.randn(2, 32, 16, device="cuda", dtype=torch.bfloat16)
+        offs = torch.tensor([4, 6], dtype=torch.int32, device="cuda")
+        with HostReads() as counted:
+            out = tp.fp8_grouped_mm(A, B_t, offs, backend="emulated", device="cpu")
+    assert out.shape == (10, 16)
+    assert counted.host_reads == 0
+    assert counted.device_asserts == 3  # the checks ran, on the device
+
+
+def test_grouped_mm_checks_offsets_on_the_host_where_they_are():
+    with HostReads() as counted:
+        grouped()
+    assert counted.host_reads == 3 and counted.device_asserts == 0

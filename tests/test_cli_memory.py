@@ -13,7 +13,7 @@ import torch
 
 import titan_primus as tp
 from titan_primus import cli
-from titan_primus.cli import memory_audit
+from titan_primus.cli.bench import memory_audit
 from titan_primus.cli.bench.memory_model import BF16, GemmMemory, estimate
 from titan_primus.cli.bench.model_shapes import ARCHITECTURES
 
@@ -39,6 +39,9 @@ def test_bench_memory_audits_every_backend_here_and_writes_json(quick):
     assert "weight copies kept for backward: 0 of" in text
     assert "MODEL, not a measurement" in text and "not measured (no GPU here)" in text
     assert doc["gpu_peak"] is None
+    assert "Selective activation checkpointing, MODELLED" in text
+    policies = {(r["model"], r["policy"]) for r in doc["selective_ac"]}
+    assert ("DeepSeek-V3-671B", "FP8, fp8_gemms='alternate'") in policies and len(policies) == 12
     models = {e["model"] for e in doc["estimates"]}
     assert models == {"Llama3-8B", "Llama3-70B", "Llama3-405B", "DeepSeek-V3-671B"}
     # TorchAO has no grouped GEMM on a CPU: its columns leave the MoE model out.
@@ -92,3 +95,17 @@ def test_gpu_peak_harness_runs_under_fsdp2_here():
     )
     assert peak is None
     assert not torch.distributed.is_initialized()
+
+
+def test_selective_ac_model_keeps_what_each_policy_saves():
+    """Llama3-8B at 8192 tokens: TorchTitan's alternation saves wqkv, w1 and w2 of its five GEMMs
+    (6144 + 14336 + 4096 outputs per token, bf16), in bf16 and FP8 alike; saving every FP8 GEMM
+    keeps wo and w3 too. DeepSeek-V3: the stock policy saves no grouped GEMM, the alternation half."""
+    from titan_primus.cli.bench.memory_model import SAC_POLICIES, selective_ac_rows
+
+    kept = {(r["model"], r["policy"]): r["kept_gemm_output_bytes"] for r in selective_ac_rows(8192, 1)}
+    stock, save, alternate = (kept["Llama3-8B", p] for p in SAC_POLICIES)
+    assert stock == alternate == 32 * 8192 * 2 * (6144 + 14336 + 4096)
+    assert save == 32 * 8192 * 2 * (6144 + 4096 + 14336 + 14336 + 4096)
+    stock, save, alternate = (kept["DeepSeek-V3-671B", p] for p in SAC_POLICIES)
+    assert stock < alternate < save and abs(alternate / save - 0.5) < 0.01

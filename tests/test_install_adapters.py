@@ -7,6 +7,7 @@ a separate interpreter, with a module made unimportable where a case needs one m
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from importlib.metadata import version
@@ -82,3 +83,46 @@ def test_a_missing_triton_is_named_as_the_cause_not_the_torchtitan_line(messages
 def test_a_missing_torchtitan_says_which_extra_to_install(messages):
     message = messages[THIS, "torchtitan"]
     assert message.endswith(f"which is not installed: pip install 'titan-primus[{EXTRA}]'"), message
+
+
+_STAND_IN = """
+import json, sys
+from titan_primus.cli.doctor import diagnose, render
+try:
+    import titan_primus.torchtitan
+    error = None
+except ImportError as e:
+    error = str(e)
+(row,) = [line for line in render(diagnose()).splitlines() if line.startswith("| torchtitan")]
+print(json.dumps({"import_error": error, "doctor": row}))
+"""
+
+
+@pytest.mark.parametrize("version, layout", [("0.4.0", False), ("0.4.0.dev20260821", True)])
+def test_a_torchtitan_04_without_the_03_layout_is_refused_in_one_line(tmp_path, version, layout):
+    """A stand-in TorchTitan (a package and its metadata, first on the path) of the 0.4 line: without
+    0.3's torchtitan.components.quantization (as 0.4.0) the adapter and doctor refuse it by name;
+    with it (TorchTitan main of 2026-08-21, the canary's) neither does."""
+    package = tmp_path / "torchtitan"
+    (package / "components" / "quantization" if layout else package).mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    info = tmp_path / f"torchtitan-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: torchtitan\nVersion: {version}\n")
+    done = subprocess.run(
+        [sys.executable, "-c", _STAND_IN],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])},
+    )
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout.splitlines()[-1])
+    refusal = (
+        f"TorchTitan {version} is not yet supported: titan-primus has adapters for TorchTitan 0.3 and 0.2.x only "
+        "(0.4 moved the seams they use, docs/torchtitan04.md); pin TorchTitan 0.3: pip install 'torchtitan>=0.3,<0.4'"
+    )
+    if layout:
+        assert "not yet supported" not in found["import_error"] + found["doctor"], found
+    else:
+        assert found["import_error"] == refusal and f"| {version}; {refusal}" in found["doctor"], found

@@ -8,13 +8,14 @@ third must never read as the second.
 
 from __future__ import annotations
 
-from importlib import metadata
+from importlib import metadata, util
 from pathlib import Path
+import re
 import traceback
 
 import torch
 
-__all__ = ["adapter_import_error"]
+__all__ = ["adapter_import_error", "installed_version", "unsupported_torchtitan"]
 
 
 def adapter_import_error(
@@ -30,6 +31,9 @@ def adapter_import_error(
         return ImportError(
             f"{adapter} needs TorchTitan {line}, which is not installed: pip install 'titan-primus[{extra}]'"
         )
+    refusal = unsupported_torchtitan()
+    if refusal and missing.startswith("torchtitan."):
+        return ImportError(refusal)
     version = installed_version("torchtitan") or "of unknown version"
     if missing == line_module or (line_module.startswith(f"{missing}.") and missing.startswith("torchtitan.")):
         return ImportError(
@@ -48,6 +52,31 @@ def installed_version(distribution: str) -> str | None:
         return metadata.version(distribution)
     except metadata.PackageNotFoundError:
         return None
+
+
+# The first TorchTitan line without an adapter, and the 0.3 module it moved (PR #4630: to
+# torchtitan.quantization); docs/torchtitan04.md lists every seam.
+UNSUPPORTED_LINE = (0, 4)
+MOVED_IN_UNSUPPORTED_LINE = ("components", "quantization")
+
+
+def unsupported_torchtitan() -> str | None:
+    """The one-line refusal when the installed TorchTitan is of a line no adapter supports yet
+    (0.4 or later, without 0.3's ``torchtitan.components.quantization``), else None. Reads the
+    version and the package's folders only: nothing of TorchTitan is imported. A 0.4 pre-release
+    that still has the 0.3 layout (TorchTitan main of 2026-08-21, which the canary runs) passes."""
+    version = installed_version("torchtitan")
+    numbers = re.match(r"(\d+)\.(\d+)", version or "")
+    if not numbers or tuple(map(int, numbers.groups())) < UNSUPPORTED_LINE:
+        return None
+    spec = util.find_spec("torchtitan")
+    folders = spec.submodule_search_locations if spec else None
+    if folders and any(Path(folder, *MOVED_IN_UNSUPPORTED_LINE).is_dir() for folder in folders):
+        return None
+    return (
+        f"TorchTitan {version} is not yet supported: titan-primus has adapters for TorchTitan 0.3 and 0.2.x only "
+        f"(0.4 moved the seams they use, docs/torchtitan04.md); pin TorchTitan 0.3: pip install 'torchtitan>=0.3,<0.4'"
+    )
 
 
 def _where(error: BaseException) -> str:

@@ -6,8 +6,8 @@ appended, optionally followed by a recipe: ``llama3_8b_fp8``, ``deepseek_v3_debu
 ``deepseek_v3_debugmodel_fp8_mxfp8``, ``deepseek_v3_671b_fp8_blockwise``. The stock config is
 built as TorchTitan defines it, then the converter (default recipe "rowwise", backend "auto", or
 ``TITAN_PRIMUS_BACKEND``) rewrites its model, and a selective activation checkpointing config
-becomes :class:`~titan_primus.torchtitan.Fp8SelectiveAC`'s (the FP8 GEMMs' outputs saved, not
-recomputed). No Python needed.
+becomes :class:`~titan_primus.torchtitan.Fp8SelectiveAC`'s (the FP8 GEMMs under its policy, not
+all recomputed). No Python needed.
 
 TorchTitan silently swallows an ImportError raised while importing this module, so it imports
 nothing optional at module level: TorchTitan's model registries load on first use.
@@ -57,7 +57,7 @@ def with_fp8(config, **converter_options):
     compile_model = config.compile.enable and "model" in config.compile.components
     converter = Float8Converter.Config(model_compile_enabled=compile_model, **converter_options).build()
     config.model_spec.model = converter.convert_model(config.model_spec.model)
-    # Selective activation checkpointing saves the FP8 GEMMs' outputs, as it does aten.mm's.
+    # Selective activation checkpointing treats the FP8 GEMMs as it does aten.mm (Fp8SelectiveAC).
     config.activation_checkpoint = with_fp8_gemms_saved(config.activation_checkpoint)
     return config
 

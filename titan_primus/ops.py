@@ -176,18 +176,26 @@ def fp8_linear(
 
 
 def _check_offsets(offs: torch.Tensor, rows: int) -> None:
+    """The checks on ``offs``: on the host, naming the values, only where ``offs`` already is
+    there; elsewhere on its device (``torch._assert_async``), since reading a GPU tensor on the
+    host is a device-to-host sync. A failed device assert fails the next kernel launch; on CUDA
+    that ends the process's CUDA context, as torch's own device-side index checks do."""
     if offs.numel() == 0 or torch.compiler.is_compiling():
         return
-    ends = offs.detach().to("cpu", torch.int64)
-    _require(bool((ends >= 0).all()), f"offs must be non-negative, got {ends.tolist()}")
-    _require(
-        bool((ends[1:] >= ends[:-1]).all()),
-        f"offs must be non-decreasing cumulative end offsets (cumsum of tokens per expert), got {ends.tolist()}",
+    ends = offs.detach()
+    conditions = (
+        ((ends >= 0).all(), "offs must be non-negative"),
+        (
+            (ends[1:] >= ends[:-1]).all(),
+            "offs must be non-decreasing cumulative end offsets (cumsum of tokens per expert)",
+        ),
+        (ends[-1] <= rows, f"offs[-1] exceeds the number of rows of A ({rows}); offsets must end within A"),
     )
-    _require(
-        int(ends[-1]) <= rows,
-        f"offs[-1] ({int(ends[-1])}) exceeds the number of rows of A ({rows}); offsets must end within A",
-    )
+    for holds, message in conditions:
+        if ends.device.type != "cpu":
+            torch._assert_async(holds, f"fp8_grouped_mm: {message}")
+        elif not holds:
+            raise Fp8InputError(f"{message}, got {ends.tolist()}")
 
 
 def fp8_grouped_mm(

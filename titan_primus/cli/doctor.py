@@ -15,7 +15,7 @@ from datetime import UTC, datetime
 import torch
 
 from .. import __version__, registry
-from ..adapter_import import installed_version
+from ..adapter_import import installed_version, unsupported_torchtitan
 from ..backends.base import OPS
 from ..backends.primus_turbo.release import describe_build
 from ..device import DeviceProfile, detect_device, device_profile
@@ -162,6 +162,8 @@ def diagnose(device: str | None = None) -> dict:
         "kind": "doctor",
         "environment": environment(profile),
         "primus_turbo": available.reason if turbo else "no primus_turbo backend is registered",
+        # The refusal the TorchTitan adapters raise on a line none of them supports yet, or None.
+        "torchtitan_unsupported": unsupported_torchtitan(),
         # Which Primus-Turbo entry points each op runs through, eager and under torch.compile.
         "primus_turbo_paths": turbo.execution_paths() if available else None,
         "backends": _backends(profile),
@@ -183,6 +185,8 @@ def _version_rows(diagnosis: dict) -> list[list[str]]:
     if found["primus-turbo"]:
         turbo[1] = describe_build(found["primus-turbo"])  # a dev build: the tag and commits it is past
     turbo[1] += f"; here: {diagnosis['primus_turbo']}"
+    if diagnosis["torchtitan_unsupported"]:
+        next(row for row in rows if row[0] == "torchtitan")[1] += f"; {diagnosis['torchtitan_unsupported']}"
     return rows
 
 

@@ -26,17 +26,16 @@ __all__ = ["SELECTIVE_AC_FIX", "Float8Converter", "has_fp8_conversion"]
 logger = logging.getLogger("titan_primus")
 
 SELECTIVE_AC_FIX = (
-    "titan-primus: TorchTitan hands a converter the model config only, so it cannot make the trainer's "
-    "selective activation checkpointing save the FP8 GEMMs: under TorchTitan's stock SelectiveAC (the default "
-    "of Trainer.Config and of most stock configs) each FP8 GEMM of a checkpointed block runs again in backward "
-    "(4 per op per step instead of 3). Fix, in your config function: "
-    "`config.activation_checkpoint = with_fp8_gemms_saved(config.activation_checkpoint)` "
-    "(from titan_primus.torchtitan); with --override.imports: also list "
-    "titan_primus.torchtitan.overrides.fp8_selective_ac. Nothing to do if you have, or if activation "
-    "checkpointing is full or off; the ready configs (--module titan_primus --config <stock>_fp8) do it themselves."
+    "titan-primus: TorchTitan's stock SelectiveAC leaves the FP8 GEMMs out of its policy; with selective "
+    "activation checkpointing set config.activation_checkpoint = with_fp8_gemms_saved(config.activation_checkpoint) "
+    "(titan_primus.torchtitan), nothing to do with full or no AC or a ready config: docs/memory.md"
 )
-"""Logged by :meth:`Float8Converter.convert`: TorchTitan 0.3 offers no seam from a model-config
-converter to the trainer's activation checkpointing config."""
+"""Logged once per process by :meth:`Float8Converter.convert`: TorchTitan 0.3 hands a converter the
+model config only, so it cannot see the trainer's activation checkpointing (set after the model
+spec in a config function, or by an override); once, since a process that built one converted
+model builds the rest with the same config."""
+
+_selective_ac_fix_logged = False
 
 
 def has_fp8_conversion(model_config) -> bool:
@@ -129,9 +128,11 @@ class Float8Converter(QuantizationConverter):
 
     def convert(self, model_config):
         """``model_config`` with FP8 linears and experts, as ``model_registry`` calls it; logs
-        :data:`SELECTIVE_AC_FIX` when anything was converted (see :meth:`convert_model`)."""
+        :data:`SELECTIVE_AC_FIX` the first time anything was converted (see :meth:`convert_model`)."""
+        global _selective_ac_fix_logged
         model_config = self.convert_model(model_config)
-        if self.report.converted():
+        if self.report.converted() and not _selective_ac_fix_logged:
+            _selective_ac_fix_logged = True
             logger.warning(SELECTIVE_AC_FIX)
         return model_config
 

@@ -8,8 +8,8 @@ function and after sharding configs are attached; the converter copies every fie
 it replaces, sharding included.
 
 With selective activation checkpointing (a stock ``SelectiveAC.Config``), add
-``titan_primus.torchtitan.overrides.fp8_selective_ac`` so the FP8 GEMMs are saved rather than run
-again in backward::
+``titan_primus.torchtitan.overrides.fp8_selective_ac`` so the FP8 GEMMs are under its policy
+(``Fp8SelectiveAC``: every second one of a block run again in backward, not all)::
 
     --override.imports 'titan_primus.torchtitan.overrides.fp8={"recipe": "rowwise"}' \
         titan_primus.torchtitan.overrides.fp8_selective_ac
@@ -33,7 +33,7 @@ def fp8(model_config: BaseModel.Config, **converter_options) -> BaseModel.Config
 @override(
     target=SelectiveAC.Config,
     exact=True,
-    description="titan-primus: selective activation checkpointing that saves the FP8 GEMMs",
+    description="titan-primus: selective activation checkpointing with the FP8 GEMMs under its policy",
 )
 def fp8_selective_ac(ac_config: SelectiveAC.Config) -> Fp8SelectiveAC.Config:
     return with_fp8_gemms_saved(ac_config)

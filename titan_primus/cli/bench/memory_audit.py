@@ -28,7 +28,7 @@ from ...fsdp_fp8 import fp8_all_gather_plan
 from ...memory import AUDIT_SHAPES, CATEGORIES, audit_layer
 from ...routing import select_backend
 from ..doctor import describe_error, environment, resolve_profile, why_not
-from .memory_model import ASSUMPTIONS, BF16, GemmMemory, estimate_rows
+from .memory_model import ASSUMPTIONS, BF16, GemmMemory, estimate_rows, selective_ac_rows
 from ..report import document, markdown_table, prepare_output, skip_lines, write_document
 
 __all__ = ["audit_rows", "command", "gemm_memory_columns", "gpu_peak_rows", "render"]
@@ -351,6 +351,24 @@ def render(
             ],
         )
     )
+    lines += [
+        "",
+        f"Selective activation checkpointing, MODELLED: the GEMM outputs each policy keeps in the checkpointed blocks "
+        f"(GiB per rank, sequence {settings['seq_len']}, local batch {settings['local_batch']}) and the share of "
+        f"their forward GEMM FLOPs it runs again in backward (docs/memory.md):",
+        markdown_table(
+            ["model", "policy", "GEMM outputs kept", "forward GEMM FLOPs recomputed"],
+            [
+                [
+                    r["model"],
+                    r["policy"],
+                    _gib(r["kept_gemm_output_bytes"]),
+                    f"{100 * r['forward_flops_recomputed']:.1f}%",
+                ]
+                for r in selective_ac_rows(settings["seq_len"], settings["local_batch"])
+            ],
+        ),
+    ]
     lines.append("")
     if gpu is None:
         lines.append("GPU peak memory of converted blocks under FSDP2: not measured (no GPU here)")
@@ -414,6 +432,7 @@ def command(
         summary["seconds"] = round(seconds, 2)
         doc = document("memory", environment(profile), settings, rows, summary)
         doc["estimates"] = estimates
+        doc["selective_ac"] = selective_ac_rows(seq_len, local_batch)
         doc["gpu_peak"] = gpu
         write_document(json_path, doc)
         out.write(f"JSON written to {json_path}\n")

@@ -16,15 +16,23 @@ measurement. Assumptions (stated in every output):
   block's input (tokens x dim, bf16).
 - Not included: attention, norm and elementwise activations, and gradients in flight: the same
   in every column.
+
+Selective activation checkpointing (:func:`selective_ac_rows`): the GEMM outputs (bf16, 2 bytes per
+element, as every backend's GEMMs return them) each per-op policy saves in the checkpointed
+blocks, and the share of the blocks' forward GEMM FLOPs it runs again in backward. The GEMMs run in
+forward order (wq/wk/wv as one where the model fuses them), counted per block: TorchTitan 0.3's
+SelectiveAC recomputes every second ``aten.mm`` and the router gate, saves no
+``torch._grouped_mm`` (not in its save set); ``Fp8SelectiveAC`` saves every FP8 GEMM
+(``fp8_gemms="save"``) or every second one, routed experts' included (``"alternate"``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .model_shapes import ARCHITECTURES, Architecture, Block
+from .model_shapes import ARCHITECTURES, Architecture, Block, Gemm
 
-__all__ = ["GemmMemory", "BF16", "ASSUMPTIONS", "estimate", "estimate_rows"]
+__all__ = ["GemmMemory", "BF16", "ASSUMPTIONS", "SAC_POLICIES", "estimate", "estimate_rows", "selective_ac_rows"]
 
 ASSUMPTIONS = (
     "MODEL, not a measurement: FSDP2 only (no TP/EP/PP), fp32 weights + grads + AdamW sharded (16 B/param), "
@@ -122,6 +130,66 @@ def estimate_rows(columns: dict[str, dict[bool, GemmMemory]], ranks: int, seq_le
                     "seq_len": seq_len,
                     "local_batch": local_batch,
                     **estimate(arch, ranks, tokens, memory),
+                }
+            )
+    return rows
+
+
+SAC_POLICIES = ("bf16, TorchTitan's SelectiveAC", "FP8, fp8_gemms='save'", "FP8, fp8_gemms='alternate'")
+
+
+def _forward_calls(arch: Architecture, block: Block) -> list[Gemm]:
+    """The GEMMs of ``block`` as its forward runs them: wq/wk/wv as one where ``arch`` fuses them."""
+    calls: list[Gemm] = []
+    for g in block.gemms:
+        if arch.fused_qkv and calls and g.group == calls[-1].group == "attention input":
+            calls[-1] = Gemm("wqkv", g.k, calls[-1].n + g.n, g.group)
+        else:
+            calls.append(g)
+    return calls
+
+
+def _saved(policy: str, calls: list[Gemm]) -> list[bool]:
+    """Whether ``policy`` saves each call's output (else it runs again in backward)."""
+    saved, counted = [], 0
+    for g in calls:
+        if not g.fp8:  # the router gate: TorchTitan's force_recompute_mm_shapes_by_fqns default
+            saved.append(False)
+        elif policy == SAC_POLICIES[1]:
+            saved.append(True)
+        elif g.routed and policy == SAC_POLICIES[0]:
+            saved.append(False)
+        else:
+            counted += 1
+            saved.append(counted % 2 == 1)
+    return saved
+
+
+def selective_ac_rows(seq_len: int, local_batch: int) -> list[dict]:
+    """Per model and policy (:data:`SAC_POLICIES`): bytes per rank of the GEMM outputs kept in the
+    checkpointed blocks, and the share of their forward GEMM FLOPs recomputed in backward."""
+    tokens = seq_len * local_batch
+    rows = []
+    for name, arch in ARCHITECTURES.items():
+        for policy in SAC_POLICIES:
+            kept = flops = recomputed = 0.0
+            for block in arch.blocks:
+                calls = _forward_calls(arch, block)
+                for g, saved in zip(calls, _saved(policy, calls)):
+                    rows_in = tokens * (arch.top_k if g.routed else 1)
+                    flops += block.count * rows_in * g.k * g.n
+                    if saved:
+                        kept += block.count * _BF16_BYTES * rows_in * g.n
+                    else:
+                        recomputed += block.count * rows_in * g.k * g.n
+            rows.append(
+                {
+                    "model": name,
+                    "policy": policy,
+                    "seq_len": seq_len,
+                    "local_batch": local_batch,
+                    "kept_gemm_output_bytes": kept,
+                    "forward_flops_recomputed": recomputed / flops,
                 }
             )
     return rows

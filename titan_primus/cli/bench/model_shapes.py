@@ -44,6 +44,8 @@ class Architecture:
     blocks: tuple[Block, ...]
     experts: int = 0
     top_k: int = 0
+    fused_qkv: bool = False
+    """wq/wk/wv run as one GEMM (TorchTitan 0.3's llama3: ``wqkv``, models/common/attention.py)."""
 
     def weight_numel(self, gemm: Gemm) -> int:
         return gemm.k * gemm.n * (self.experts if gemm.routed else 1)
@@ -73,7 +75,7 @@ def _llama3(name: str, layers: int, dim: int, kv_dim: int, ffn: int, vocab: int 
         Gemm("w3", dim, ffn, "ffn input"),
         Gemm("w2", ffn, dim, "ffn hidden"),
     )
-    return Architecture(name, dim, vocab, (Block(layers, gemms, 2 * dim),))
+    return Architecture(name, dim, vocab, (Block(layers, gemms, 2 * dim),), fused_qkv=True)
 
 
 def _deepseek_v3_671b() -> Architecture:
