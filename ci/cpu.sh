@@ -56,6 +56,10 @@ fi
 make test
 OMP_NUM_THREADS=1 PATH="$PWD/.venv/bin:$PATH" ci/gate.sh cpu
 OMP_NUM_THREADS=1 PATH="$PWD/.venv/bin:$PATH" ci/validate.sh cpu --quick
+# MoE: deepseek_v3 debug on 2 gloo ranks, expert parallel degree 2, FP8 token dispatch (docs/ci.md).
+OMP_NUM_THREADS=1 PATH="$PWD/.venv/bin:$PATH" ci/validate.sh cpu-moe --module deepseek_v3 \
+    --config deepseek_v3_debugmodel --steps 10 --seq-len 64 --nproc 2 --fp8-dispatch \
+    -- --parallelism.expert_parallel_degree 2 --training.disable_cuda_graphs
 drop_if_created .venv
 if [[ -n $oldest_builder ]]; then
     echo "== make setup-oldest (built in the background)"

@@ -10,7 +10,7 @@ its own last-bit run, one more training per size). Prints, per regression and ve
 smallest size that fails it, and each healthy verdict's margin (value / bound).
 
     OMP_NUM_THREADS=1 python docs/validate_power_measure.py llama3 --json power-llama3.json
-    OMP_NUM_THREADS=1 python docs/validate_power_measure.py deepseek_v3 --json power-moe.json
+    OMP_NUM_THREADS=1 python docs/validate_power_measure.py deepseek_v3 --json power-moe.json  # EP 2, 2 ranks
 """
 
 from __future__ import annotations
@@ -36,16 +36,11 @@ from titan_primus.cli.validate.lines import trainer_line  # noqa: E402
 
 MODELS = {
     "llama3": ["--quick"],
-    "deepseek_v3": [
-        "--module",
-        "deepseek_v3",
-        "--config",
-        "deepseek_v3_debugmodel",
-        "--steps",
-        "20",
-        "--seq-len",
-        "128",
-    ],
+    # CI's MoE validate (ci/cpu.sh): 2 gloo ranks, expert parallel degree 2, FP8 token dispatch.
+    "deepseek_v3": (
+        "--module deepseek_v3 --config deepseek_v3_debugmodel --steps 10 --seq-len 64 --nproc 2 --fp8-dispatch "
+        "-- --parallelism.expert_parallel_degree 2 --training.disable_cuda_graphs"
+    ).split(),
 }
 # Mild to severe.
 LADDERS = {

@@ -199,6 +199,12 @@ def test_fp8_that_fell_away_fails_fp8_engaged(quick):
     moved["results"][0]["runs"]["fp8"]["routing_data"]["ops"]["linear"]["definition"] = "tensorwise (other)"
     verdict = _verdict(_judged(moved, doc), "fp8 engaged")
     assert verdict["status"] == "fail" and "tensorwise (other)" in verdict["text"], verdict
+    # Expert blocks the baseline dispatched in FP8 that dispatch in high precision now.
+    dispatched = copy.deepcopy(doc)
+    routing = dispatched["results"][0]["runs"]["fp8"]["routing_data"]
+    routing["token_dispatch"] = {"layers.1.moe.experts": {"fp8": True, "reason": "one scale per row"}}
+    verdict = _verdict(_judged(doc, dispatched), "fp8 engaged")
+    assert verdict["status"] == "fail" and "1 expert blocks whose tokens the baseline dispatched" in verdict["text"]
     # Another backend than the one expected here.
     expected = copy.deepcopy(doc)
     expected["results"][0]["fp8_options"] = {"backend": "torchao"}
@@ -348,11 +354,12 @@ def test_the_fp8_only_options_reach_the_fp8_runs_only():
 
 @pytest.mark.parametrize("script", ["cpu.sh", "cuda.sh"])
 def test_ci_jobs_run_validate_with_arguments_it_takes(script):
-    lines = [line for line in (ROOT / "ci" / script).read_text().splitlines() if "ci/validate.sh" in line]
+    text = (ROOT / "ci" / script).read_text().replace("\\\n", " ")  # continued lines joined
+    lines = [line for line in text.splitlines() if "ci/validate.sh" in line and not line.startswith("#")]
     assert lines, f"ci/{script} runs no validate"
     for line in lines:
         name, *argv = shlex.split(line[line.index("ci/validate.sh") :])[1:]
-        assert name == script.removesuffix(".sh")
+        assert name.split("-")[0] == script.removesuffix(".sh")
         build_parser().parse_args(["validate", *argv])  # exits (fails the test) on an unknown option
 
 

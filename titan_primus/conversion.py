@@ -250,6 +250,7 @@ class ConversionReport:
                 for op, d in self.decisions.items()
             },
             "layers": [asdict(route) for route in self.layers],
+            "token_dispatch": {fqn: {"fp8": bool(v), "reason": v.reason} for fqn, v in self.token_dispatch.items()},
         }
 
     def summary(self) -> str:

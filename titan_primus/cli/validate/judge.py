@@ -85,6 +85,16 @@ def fp8_engaged(runs: dict, expected_backend: str | None, before: dict | None = 
                 f"{len(lost)} layers the baseline ran in FP8 are in high precision now "
                 f"({_shown([x['fqn'] for x in lost])}): {why}"
             )
+        dispatch = routing.get("token_dispatch", {})
+        undispatched = [
+            f for f, d in then.get("token_dispatch", {}).items() if d["fp8"] and not dispatch.get(f, {}).get("fp8")
+        ]
+        if undispatched:
+            why = dispatch.get(undispatched[0], {}).get("reason", "fp8_dispatch is off now")
+            problems.append(
+                f"{len(undispatched)} expert blocks whose tokens the baseline dispatched in FP8 dispatch in "
+                f"high precision now ({_shown(undispatched)}): {why}"
+            )
     if identical(runs["fp8"]["steps"], runs["bf16"]["steps"]):
         problems.append("FP8's losses and grad norms are bitwise bf16's: FP8 changed nothing")
     if problems:
@@ -97,6 +107,9 @@ def fp8_engaged(runs: dict, expected_backend: str | None, before: dict | None = 
     text = f"{len(converted)} layers in FP8 on {routing['device']}: {ops}, the backend expected here ({expected})"
     if kept:
         text += "; kept in high precision: " + ", ".join(f"{n} by {why}" for why, n in kept.items())
+    dispatched = [d for d in routing.get("token_dispatch", {}).values() if d["fp8"]]
+    if routing.get("token_dispatch"):
+        text += f"; {len(dispatched)} of {len(routing['token_dispatch'])} expert blocks dispatch their tokens in FP8"
     if before is not None:
         text += "; the same backends, definitions and layers as the baseline"
     return Verdict("fp8 engaged", True, len(converted), None, text)
