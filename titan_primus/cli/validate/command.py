@@ -217,8 +217,7 @@ def judge_document(doc: dict, baseline: dict | None = None) -> dict:
     earlier validate document, where given), and the summary; returns the document as strict JSON.
     Verdicts already in ``doc`` are replaced, so a saved run can be judged again."""
     settings = doc["settings"]
-    plans_now = [{k: r.get(k) for k in ("config",)} for r in doc["results"]]
-    befores = [b for _, b in pair(plans_now, baseline)] if baseline else [None] * len(doc["results"])
+    befores = [b for _, b in pair(doc["results"], baseline)] if baseline else [None] * len(doc["results"])
     for result, before in zip(doc["results"], befores):
         expected = (result.get("fp8_options") or {}).get("backend")
         result["verdicts"] = judge(result, settings, expected, before["runs"] if before else None)
