@@ -439,3 +439,27 @@ def test_under_pipeline_parallelism_the_steps_come_from_the_last_stage(tmp_path)
     steps = [r for r in recorded if "step" in r]
     assert [s["step"] for s in steps] == [1, 2], recorded
     assert all(abs(s["loss"] - real[s["step"]]) < 1e-4 for s in steps), (steps, real)
+
+
+def test_the_readme_upgrade_command_takes_its_configs_from_the_baseline(quick):
+    """`titan-primus validate --baseline last-good.json` on a GPU (no --config): the baseline's
+    configs and settings, each overridable on the command line."""
+    from titan_primus.cli.validate.command import plans
+    from titan_primus.cli.validate.lines import Line03
+
+    _, _, _, doc, _ = quick
+    args = build_parser().parse_args(["validate", "--baseline", "last-good.json"])
+    (plan,) = plans(args, on_gpu=True, line=Line03(), baseline=doc)
+    before = doc["results"][0]
+    assert (plan.module, plan.config, plan.steps, plan.seq_len, plan.batch) == (
+        before["module"],
+        before["config"],
+        before["steps"],
+        before["seq_len"],
+        before["batch"],
+    )
+    assert plan.fp8_config == "llama3_debugmodel_fp8" and plan.overrides == before["overrides"]
+    args = build_parser().parse_args(["validate", "--baseline", "last-good.json", "--steps", "7"])
+    assert plans(args, on_gpu=True, line=Line03(), baseline=doc)[0].steps == 7
+    with pytest.raises(ValueError, match="--baseline an earlier validate JSON"):
+        plans(build_parser().parse_args(["validate"]), on_gpu=True, line=Line03())
