@@ -17,9 +17,9 @@ pytestmark = pytest.mark.multiprocess
 HERE = Path(__file__).parent
 
 
-def torchrun_script(script: str, *args: str) -> str:
+def torchrun_script(script: str, *args: str, env: dict | None = None) -> str:
     # The repository root first: its titan_primus, not an installed copy.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE)])}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE)]), **(env or {})}
     proc = subprocess.run(
         [
             sys.executable,

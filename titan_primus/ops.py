@@ -26,6 +26,7 @@ import types
 import torch
 
 from .device import DeviceProfile
+from .grouping import rows_known
 from .recipes import Fp8Recipe
 from .registry import generation
 from .routing import BACKEND_ENV, BackendUnavailableError, RoutingDecision, select_backend
@@ -172,12 +173,19 @@ class _NoRows(torch.autograd.Function):
 def run_grouped_mm(backend, A: torch.Tensor, B_t: torch.Tensor, offs: torch.Tensor, recipe: Fp8Recipe) -> torch.Tensor:
     """``backend.grouped_mm`` under the grouped-GEMM contract: the one function the public op and
     both TorchTitan adapters' experts call. An A without rows (an EP rank that received no
-    token) launches nothing: the row count is a shape, known on the host without a sync (under
-    torch.compile, the 0 that dynamic shapes specialise anyway). Rows past ``offs[-1]`` (every
-    row, when no group has any) are the backends' to zero, on the device."""
-    if A.shape[0] == 0:
+    token) launches nothing: the row count is a shape, known on the host without a sync
+    (:func:`~titan_primus.grouping.rows_known`). Rows past ``offs[-1]`` (every row, when no
+    group has any) are the backends' to zero, on the device."""
+    has_rows = rows_known(A)
+    if has_rows is False:
         return _NoRows.apply(A, B_t)
-    return backend.grouped_mm(A, B_t, offs, recipe)
+    if has_rows:
+        return backend.grouped_mm(A, B_t, offs, recipe)
+    # A compiled graph's data-dependent row count (EP's received tokens), maybe 0: one zero row
+    # past offs[-1] keeps every operand non-empty; it gets zero output and gradient, and adds
+    # nothing to any amax. Fused into the backends' zeroing of trailing rows by inductor.
+    rows = A.shape[0]
+    return backend.grouped_mm(torch.nn.functional.pad(A, (0, 0, 0, 1)), B_t, offs, recipe)[:rows]
 
 
 def fp8_linear(
