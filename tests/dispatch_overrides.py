@@ -4,12 +4,16 @@ PYTHONPATH): the converter as ``titan_primus.torchtitan.overrides.fp8`` runs it,
 - ``fp8_dispatch_probe``: each rank prints the first packed all-to-all payload it sends
   (``PACKED <dtype> <rows>x<bytes per row>``), so a test sees the FP8 path run in the trainer;
 - ``fp8_copy_in_bf16``: FP8 dispatch's definition with the tokens sent in the activations'
-  dtype (the dispatchers' ``fp8_on_the_wire=False``), what FP8 dispatch must equal bitwise."""
+  dtype (the dispatchers' ``fp8_on_the_wire=False``), what FP8 dispatch must equal bitwise;
+- ``fp8_first_half_experts``: every token routed to the first half of the experts, so that
+  under EP 2 one rank's experts receive no token."""
 
 import functools
+from dataclasses import dataclass, fields
 
+import torch
 from torchtitan.config.override import override
-from torchtitan.models.common.moe import RoutedExperts
+from torchtitan.models.common.moe import MoE, RoutedExperts, TokenChoiceTopKRouter
 from torchtitan.protocols.model import BaseModel
 
 import titan_primus.token_dispatch as token_dispatch
@@ -47,3 +51,40 @@ def fp8_copy_in_bf16(model_config: BaseModel.Config, **converter_options) -> Bas
     for dispatcher in dispatchers:
         dispatcher.fp8_on_the_wire = False
     return model_config
+
+
+@override(
+    target=BaseModel.Config,
+    description="titan-primus FP8 converter, every token routed to the first half of the experts (tests)",
+)
+def fp8_first_half_experts(model_config: BaseModel.Config, **converter_options) -> BaseModel.Config:
+    """The converter, with every MoE router sending each token to experts of the first half only
+    (round robin over them): under EP 2 the second rank's experts receive no token, in every
+    step, forward, backward and recomputation alike (the routing depends on no state)."""
+    model_config = _converted(model_config, converter_options)
+    for _, moe, _, _ in model_config.traverse(MoE.Config):
+        router = moe.router
+        values = {f.name: getattr(router, f.name) for f in fields(router) if f.init}
+        values["_debug_force_load_balance"] = True
+        moe.router = FirstHalfRouter.Config(**values)
+    return model_config
+
+
+class FirstHalfRouter(TokenChoiceTopKRouter):
+    """TorchTitan's router whose debug round robin (``_debug_force_load_balance``) runs over the
+    first half of the experts."""
+
+    printed = False
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(TokenChoiceTopKRouter.Config):
+        pass
+
+    def _debug_force_load_balance_routing(self, scores_BLE):
+        bs, slen, _ = scores_BLE.shape
+        ids = torch.arange(bs * slen * self.top_k, device=scores_BLE.device).reshape(bs, slen, self.top_k)
+        ids = ids % (self.num_experts // 2)
+        if not FirstHalfRouter.printed:  # once per rank: what the test sees of the routing
+            FirstHalfRouter.printed = True
+            print(f"ROUTED to experts {ids.min().item()}-{ids.max().item()} of {self.num_experts}", flush=True)
+        return ids, scores_BLE.gather(dim=-1, index=ids)

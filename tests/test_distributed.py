@@ -17,9 +17,9 @@ pytestmark = pytest.mark.multiprocess
 HERE = Path(__file__).parent
 
 
-def torchrun_script(script: str, *args: str) -> str:
+def torchrun_script(script: str, *args: str, env: dict | None = None) -> str:
     # The repository root first: its titan_primus, not an installed copy.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE)])}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE)]), **(env or {})}
     proc = subprocess.run(
         [
             sys.executable,
@@ -205,21 +205,21 @@ def ep_trainer_runs(
 
 @pytest.mark.trainer
 @pytest.mark.parametrize(
-    "config, experts, recipe",
+    "config, experts, recipe, bound",
     [
-        ("deepseek_v3_debugmodel", 5, "rowwise"),
-        ("deepseek_v3_debugmodel", 5, "tensorwise"),
-        ("qwen3_moe_debug", 8, "rowwise"),
+        ("deepseek_v3_debugmodel", 5, "rowwise", 0.0011),
+        ("deepseek_v3_debugmodel", 5, "tensorwise", 0.008),
+        ("qwen3_moe_debug", 8, "rowwise", 0.0006),
     ],
 )
 def test_expert_parallel_on_primus_turbo_definitions_tracks_the_same_ranks_without_it(
-    config, experts, recipe, tmp_path
+    config, experts, recipe, bound, tmp_path
 ):
     """The emulation of Primus-Turbo's definitions (gfx942 profile) with EP 2 against FSDP 2
     alone: the scales that span experts are taken over each rank's experts and the tokens
     routed to them, so the numbers are not bitwise one device's. Measured over 3 steps: at most
     0.011% apart (rowwise: step 1 equal, only wgrad scales differ), 0.08% (tensorwise); bound
-    0.5%; qwen3 MoE debug, rowwise: at most 0.006%. (On Primus-Turbo's own code:
+    10x the measured gap (0.11%, 0.8%); qwen3 MoE debug, rowwise: at most 0.006% (bound 0.06%). (On Primus-Turbo's own code:
     tests/real_turbo/test_expert_parallel.py.) Tensorwise
     with FP8 all-gather on: the expert weights, which EP shards first, are gathered in bf16."""
     fp8_all_gather = recipe == "tensorwise"
@@ -232,4 +232,6 @@ def test_expert_parallel_on_primus_turbo_definitions_tracks_the_same_ranks_witho
     assert f"expert parallelism (degree 2), Fp8GroupedExperts {recipe} (primus_turbo definition" in log
     assert sorted(ep) == sorted(dp) == [1, 2, 3]
     print(f"{config} {recipe}: EP {ep}, without {dp}")
-    assert_losses_within(ep, dp, 0.005)
+    if recipe == "rowwise":  # only the weight gradients' scales span a rank's experts
+        assert ep[1] == dp[1]
+    assert_losses_within(ep, dp, bound)

@@ -9,8 +9,29 @@ must be exactly zero.
 from __future__ import annotations
 
 import torch
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 
-__all__ = ["group_lens", "group_ids", "group_bounds", "mask_trailing_rows_of_grad", "zero_trailing_rows"]
+__all__ = [
+    "group_lens",
+    "group_ids",
+    "group_bounds",
+    "mask_trailing_rows_of_grad",
+    "rows_known",
+    "zero_trailing_rows",
+]
+
+
+def rows_known(t: torch.Tensor) -> bool | None:
+    """Whether ``t`` has rows, where that is known on the host without a sync: True or False in
+    eager code and for a compiled shape (dynamic shapes specialise 0, so the guard costs no
+    recompilation beyond it); None for a data-dependent row count under torch.compile (the
+    tokens an EP all-to-all delivers), which may be 0 at run time."""
+    rows = t.shape[0]
+    if guard_or_false(rows == 0):
+        return False
+    if guard_or_false(rows > 0):
+        return True
+    return None
 
 
 def group_lens(offs: torch.Tensor) -> torch.Tensor:

@@ -26,11 +26,20 @@ import types
 import torch
 
 from .device import DeviceProfile
+from .grouping import rows_known
 from .recipes import Fp8Recipe
 from .registry import generation
 from .routing import BACKEND_ENV, BackendUnavailableError, RoutingDecision, select_backend
 
-__all__ = ["Fp8InputError", "fp8_linear", "fp8_grouped_mm", "linear_compute_dtype", "resolve_op", "run_linear"]
+__all__ = [
+    "Fp8InputError",
+    "fp8_linear",
+    "fp8_grouped_mm",
+    "linear_compute_dtype",
+    "resolve_op",
+    "run_grouped_mm",
+    "run_linear",
+]
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -143,6 +152,42 @@ def run_linear(
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
+class _NoRows(torch.autograd.Function):
+    """A grouped GEMM of an A with no rows: an empty bf16 output, zero gradients (B_t's a dense
+    zero tensor, so every rank hands FSDP2 and the EP all-to-alls a gradient, as a rank with
+    tokens does), and no quantizer or GEMM launched on an empty operand."""
+
+    @staticmethod
+    def forward(ctx, A, B_t):
+        ctx.a_dtype, ctx.b_meta = A.dtype, (B_t.shape, B_t.dtype, B_t.device)
+        return A.new_zeros((0, B_t.shape[2]), dtype=torch.bfloat16)
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape, dtype, device = ctx.b_meta
+        grad_A = grad.new_zeros((0, shape[1]), dtype=ctx.a_dtype) if ctx.needs_input_grad[0] else None
+        grad_B_t = torch.zeros(shape, dtype=dtype, device=device) if ctx.needs_input_grad[1] else None
+        return grad_A, grad_B_t
+
+
+def run_grouped_mm(backend, A: torch.Tensor, B_t: torch.Tensor, offs: torch.Tensor, recipe: Fp8Recipe) -> torch.Tensor:
+    """``backend.grouped_mm`` under the grouped-GEMM contract: the one function the public op and
+    both TorchTitan adapters' experts call. An A without rows (an EP rank that received no
+    token) launches nothing: the row count is a shape, known on the host without a sync
+    (:func:`~titan_primus.grouping.rows_known`). Rows past ``offs[-1]`` (every row, when no
+    group has any) are the backends' to zero, on the device."""
+    has_rows = rows_known(A)
+    if has_rows is False:
+        return _NoRows.apply(A, B_t)
+    if has_rows:
+        return backend.grouped_mm(A, B_t, offs, recipe)
+    # A compiled graph's data-dependent row count (EP's received tokens), maybe 0: one zero row
+    # past offs[-1] keeps every operand non-empty; it gets zero output and gradient, and adds
+    # nothing to any amax. Fused into the backends' zeroing of trailing rows by inductor.
+    rows = A.shape[0]
+    return backend.grouped_mm(torch.nn.functional.pad(A, (0, 0, 0, 1)), B_t, offs, recipe)[:rows]
+
+
 def fp8_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -232,4 +277,4 @@ def fp8_grouped_mm(
     _require(A.shape[1] == k, f"A's K ({A.shape[1]}) must equal B_t's K ({k}); B_t is [experts, K, N]")
     _check_offsets(offs, A.shape[0])
     impl, resolved = _resolve("grouped_mm", recipe, device, backend, k, n)
-    return impl.grouped_mm(A, B_t, offs, resolved)
+    return run_grouped_mm(impl, A, B_t, offs, resolved)

@@ -24,6 +24,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 
 from . import block_scaling
+from .grouping import rows_known
 from .recipes import BlockScaleRule, Fp8Recipe
 from .scaling import dequantize, quantize
 
@@ -46,7 +47,13 @@ class DispatchCast:
         return -(-hidden // _MX_TILE) if self.mx_rule else 4
 
     def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(FP8 payload [R, D], scales [R, S]): float32 row scales, or E8M0 bytes (uint8)."""
+        """(FP8 payload [R, D], scales [R, S]): float32 row scales, or E8M0 bytes (uint8). No
+        rows (an empty split of the all-to-all): empty tensors, no quantizer run on them."""
+        if rows_known(x) is False:
+            scale_dtype, scale_width = (
+                (torch.uint8, self.scale_bytes(x.shape[1])) if self.mx_rule else (torch.float32, 1)
+            )
+            return x.new_empty(x.shape, dtype=self.fp8_dtype), x.new_empty((0, scale_width), dtype=scale_dtype)
         if self.mx_rule is None:
             return quantize(x, self.fp8_dtype, 1, self.pow2)
         data, scale_inv = block_scaling.quantize_blocks(x, self.fp8_dtype, self.mx_rule, self._tiles(x))
@@ -55,6 +62,8 @@ class DispatchCast:
     def dequantize(self, data: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The rows as the grouped GEMMs' cast sees them (payload and scales, as the emulation
         applies them), in ``dtype``."""
+        if rows_known(data) is False:
+            return data.new_empty(data.shape, dtype=dtype)
         if self.mx_rule is None:
             return dequantize(data, scales, self.reciprocal).to(dtype)
         scale_inv = torch.ldexp(torch.ones_like(scales, dtype=torch.float32), scales.to(torch.int32) - _E8M0_BIAS)

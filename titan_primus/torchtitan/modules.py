@@ -29,7 +29,7 @@ from ..fsdp_fp8 import (
     fp8_all_gather_plan,
     register_amax_precompute_after_optimizer_steps,
 )
-from ..ops import run_linear
+from ..ops import run_grouped_mm, run_linear
 from ..recipes import Fp8Recipe
 from ..registry import get_backend
 from ..sentinel import SentinelLayer, watch
@@ -202,7 +202,7 @@ def fp8_experts_class(parent_cls: type[GroupedExperts]) -> type[GroupedExperts]:
             self.bind_fp8(config)
 
         def _grouped_mm(self, *, A: torch.Tensor, B_t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-            return self.fp8_backend.grouped_mm(A, B_t, offs, self.fp8_recipe)
+            return run_grouped_mm(self.fp8_backend, A, B_t, offs, self.fp8_recipe)
 
     name = f"Fp8{parent_cls.__name__}"
     Fp8GroupedExperts.__name__ = Fp8GroupedExperts.__qualname__ = name

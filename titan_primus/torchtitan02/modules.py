@@ -15,7 +15,7 @@ from torchtitan.models.moe.moe import GroupedExperts
 from torchtitan.models.moe.utils import indices_padding_wrapper
 
 from ..fsdp_fp8 import Fp8AllGatherPlan, enable_fp8_all_gather
-from ..ops import run_linear
+from ..ops import run_grouped_mm, run_linear
 from ..recipes import Fp8Recipe
 from ..routing import RoutingDecision
 from ..token_dispatch import DispatchCast, fp8_copy
@@ -117,12 +117,12 @@ class Fp8GroupedExperts(GroupedExperts):
 
     def _run_grouped(self, w1, w2, w3, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         offs = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
-        grouped_mm, recipe = self.fp8_backend.grouped_mm, self.fp8_recipe
+        backend, recipe = self.fp8_backend, self.fp8_recipe
         # x is cast once per GEMM, as TorchTitan does: x's gradient then sums the two branches
         # in x's dtype, not in bf16.
-        h = F.silu(grouped_mm(x.bfloat16(), w1.bfloat16().transpose(-2, -1), offs, recipe))
-        h = h * grouped_mm(x.bfloat16(), w3.bfloat16().transpose(-2, -1), offs, recipe)
-        return grouped_mm(h, w2.bfloat16().transpose(-2, -1), offs, recipe).type_as(x)
+        h = F.silu(run_grouped_mm(backend, x.bfloat16(), w1.bfloat16().transpose(-2, -1), offs, recipe))
+        h = h * run_grouped_mm(backend, x.bfloat16(), w3.bfloat16().transpose(-2, -1), offs, recipe)
+        return run_grouped_mm(backend, h, w2.bfloat16().transpose(-2, -1), offs, recipe).type_as(x)
 
     def extra_repr(self) -> str:
         return f"fp8={self.fp8_backend.name}:{self.fp8_recipe.describe()}"
