@@ -199,7 +199,7 @@ def main(recipe_name: str, definition: str, arch: str, padded: bool, mode: str, 
     if rank == 0:
         print("RESULT " + json.dumps(every_rank), flush=True)
     dist.barrier()
-    exit_without_teardown(0)  # see cpu_world: gloo processes can abort in interpreter teardown
+    exit_without_teardown(0)  # see titan_primus/cpu_trainer/world.py: gloo processes can abort in interpreter teardown
 
 
 if __name__ == "__main__":

@@ -33,4 +33,4 @@ for (name, p_single), p_sharded in zip(single.named_parameters(), sharded.parame
 if dist.get_rank() == 0:
     print(f"FSDP2 == single device: {model_name} {recipe}")
 dist.barrier()
-exit_without_teardown(0)  # see cpu_world: gloo processes can abort in interpreter teardown
+exit_without_teardown(0)  # see titan_primus/cpu_trainer/world.py: gloo processes can abort in interpreter teardown

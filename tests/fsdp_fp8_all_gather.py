@@ -173,4 +173,4 @@ if dist.get_rank() == 0:
         f"FP8 weights: bf16 {bf16_payload} fp8 {fp8_payload} ratio {fp8_payload / bf16_payload:.4f}"
     )
 dist.barrier()
-exit_without_teardown(0)  # see cpu_world: gloo processes can abort in interpreter teardown
+exit_without_teardown(0)  # see titan_primus/cpu_trainer/world.py: gloo processes can abort in interpreter teardown

@@ -77,4 +77,4 @@ for backend, device in BACKENDS:
             f"vs big batch {vs_big:.1f} dB, dropped microbatch {dropped:.1f} dB, big batch vs bf16 {baseline:.1f} dB"
         )
 dist.barrier()
-exit_without_teardown(0)  # see cpu_world: gloo processes can abort in interpreter teardown
+exit_without_teardown(0)  # see titan_primus/cpu_trainer/world.py: gloo processes can abort in interpreter teardown

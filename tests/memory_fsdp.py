@@ -69,4 +69,4 @@ print_line(
 del saved
 loss.backward()
 dist.barrier()
-exit_without_teardown(0)  # see cpu_world: gloo processes can abort in interpreter teardown
+exit_without_teardown(0)  # see titan_primus/cpu_trainer/world.py: gloo processes can abort in interpreter teardown

@@ -61,4 +61,4 @@ unaware = layouts(None, None)
 if rank == 0:
     print(f"tp {recipe_name} {device}: with shards {aware:.1f} dB, without {unaware:.1f} dB")
 dist.barrier()
-exit_without_teardown(0)  # see cpu_world: gloo processes can abort in interpreter teardown
+exit_without_teardown(0)  # see titan_primus/cpu_trainer/world.py: gloo processes can abort in interpreter teardown

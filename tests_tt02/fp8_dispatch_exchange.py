@@ -56,7 +56,7 @@ def main(cases: list[tuple[str, str, int]]) -> None:
     for recipe_name, arch, alignment in cases:
         run_case(mesh, recipe_name, arch, alignment)
     dist.barrier()
-    exit_without_teardown(0)  # see cpu_world: gloo processes can abort in interpreter teardown
+    exit_without_teardown(0)  # see titan_primus/cpu_trainer/world.py: gloo processes can abort in interpreter teardown
 
 
 def run_case(mesh, recipe_name: str, arch: str, alignment: int) -> None:
