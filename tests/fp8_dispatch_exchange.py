@@ -33,7 +33,7 @@ from torchtitan.distributed.activation_checkpoint import _get_default_save_ops
 from torchtitan.distributed.utils import set_spmd_backend
 from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, TorchAOTokenDispatcher
 
-import titan_helpers  # noqa: F401  (puts examples/ on sys.path)
+import titan_helpers  # noqa: F401  (the CPU launcher's device patches)
 from titan_primus.cpu_trainer.world import exit_without_teardown
 
 import titan_primus as tp
