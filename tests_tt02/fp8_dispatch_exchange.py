@@ -73,10 +73,10 @@ def run_case(mesh, recipe_name: str, arch: str, alignment: int) -> None:
         for i, (name, shape) in enumerate(shapes.items())
     }
 
-    def block(dispatch_cast, style):
+    def block(block_recipe, style):
         with torch.device("meta"):
             experts_ = GroupedExperts(dim, hidden, experts, use_grouped_mm=True)
-        module = Fp8GroupedExperts.from_experts(experts_, decision, None, recipe=recipe, dispatch_cast=dispatch_cast)
+        module = Fp8GroupedExperts.from_experts(experts_, decision, None, recipe=block_recipe)
         module.to_empty(device="cpu")
         with torch.no_grad():
             for name, w in weights.items():
@@ -91,9 +91,9 @@ def run_case(mesh, recipe_name: str, arch: str, alignment: int) -> None:
 
     saved_alignment, moe_utils.TOKEN_GROUP_ALIGN_SIZE_M = moe_utils.TOKEN_GROUP_ALIGN_SIZE_M, alignment
     runs = {
-        "fp8": (block(cast, Fp8ExpertParallel()), lambda t: t),
-        "fp8 copy in bf16": (block(None, ExpertParallel()), lambda t: fp8_copy(t, cast)),
-        "bf16": (block(None, ExpertParallel()), lambda t: t),
+        "fp8": (block(recipe, Fp8ExpertParallel()), lambda t: t),
+        "fp8 copy in bf16": (block(decision.recipe, ExpertParallel()), lambda t: fp8_copy(t, cast)),
+        "bf16": (block(decision.recipe, ExpertParallel()), lambda t: t),
     }
     results = {}
     for name, (module, before) in runs.items():
@@ -106,7 +106,7 @@ def run_case(mesh, recipe_name: str, arch: str, alignment: int) -> None:
         grads = [p.grad.to_local() for p in (module.w1, module.w2, module.w3)]
         results[name] = (out.detach(), x_.grad, *grads), forward.sent, backward.sent
     try:
-        block(cast, ExpertParallel())(x, counts)
+        block(recipe, ExpertParallel())(x, counts)
         unmarked_refused = False
     except RuntimeError as e:
         unmarked_refused = "not titan-primus's Fp8ExpertParallel" in str(e)

@@ -24,7 +24,6 @@ from ..conversion import (
 from ..fsdp_fp8 import fp8_all_gather_plan, precompute_fp8_weight_amaxes
 from ..recipes import with_fp8_dispatch
 from ..sentinel import COMPILE_UNSUPPORTED, SentinelLayer, drive_trainer, watch
-from ..token_dispatch import fp8_dispatch_cast
 from .modules import Fp8GroupedExperts, Fp8Linear
 from .token_dispatch import install_fp8_expert_parallel
 
@@ -140,11 +139,10 @@ class Float8Converter:
             # TorchTitan 0.2 pads token groups to one global multiple (its EP dispatch reads it too).
             set_token_group_alignment_size_m(alignment)
         plan = self._all_gather_plan("grouped_mm", decision)
-        recipe, cast = decision.recipe, None
+        recipe = decision.recipe
         if self.router.token_dispatch(fqn, recipe, unsupported=self._fp8_dispatch_transport(recipe)):
             recipe = with_fp8_dispatch(recipe)
-            cast = fp8_dispatch_cast(recipe)
-        fp8 = Fp8GroupedExperts.from_experts(experts, decision, alignment, plan, recipe=recipe, dispatch_cast=cast)
+        fp8 = Fp8GroupedExperts.from_experts(experts, decision, alignment, plan, recipe=recipe)
         self._place(model, fqn, fp8)
 
     def _fp8_dispatch_transport(self, recipe) -> str | None:
