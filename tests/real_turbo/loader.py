@@ -29,6 +29,7 @@ import types
 from pathlib import Path
 
 import torch
+from repo_root import ROOT
 
 from . import interpreter, stand_ins
 
@@ -116,16 +117,13 @@ def _custom_ops_on_cpu() -> None:
     torch.library.custom_op = custom_op
 
 
-REPO = Path(__file__).resolve().parents[2]
-
-
 def default_sources() -> Path:
     """``shared/primus-turbo`` beside the repository (``../shared/primus-turbo``), or beside the
     nearest folder above it that has one (a clone in a subfolder of the workspace)."""
-    for folder in REPO.parents:
+    for folder in ROOT.parents:
         if (folder / "shared" / "primus-turbo").is_dir():
             return folder / "shared" / "primus-turbo"
-    return REPO.parent / "shared" / "primus-turbo"
+    return ROOT.parent / "shared" / "primus-turbo"
 
 
 @functools.cache
