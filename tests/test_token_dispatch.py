@@ -319,7 +319,7 @@ def test_trainer_fp8_dispatch_compiled(primus_rowwise_eager, tmp_path):
     """The same run with --compile.enable (each block fullgraph, the FP8 all-to-all inside):
     against the eager run without FP8 dispatch. Measured (2026-12-01): compiled on and compiled
     off equal to the logged digits; against eager, step 1 equal, 0.0004% apart at step 2,
-    0.013% at step 3; bound 0.1%, compile's elsewhere (the README's)."""
+    0.013% at step 3; bound 0.1%, compile's elsewhere (docs/parallelism.md)."""
     _, _, eager_off = primus_rowwise_eager
     compiled, log = _ep_run(
         tmp_path,

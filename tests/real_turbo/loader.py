@@ -176,7 +176,7 @@ def on_ci() -> bool:
 def require_sources_on_ci() -> None:
     """At a tier conftest's import: with ``CI`` set, a tier that cannot import its Primus-Turbo
     build stops pytest with the reason (variable and folder), instead of skipping every test and
-    passing: CI that skips the tier proves nothing the README claims of Primus-Turbo."""
+    passing: CI that skips the tier proves nothing docs/primus-turbo.md claims of Primus-Turbo."""
     turbo, why_not = from_environment()
     if turbo is None and on_ci():
         import pytest
