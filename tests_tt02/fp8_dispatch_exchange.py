@@ -5,7 +5,9 @@ GEMMs), dispatch -> experts -> combine -> backward, for each token-group alignme
 - FP8 on the wire equals TorchTitan's bf16 all-to-all of the same FP8 copy (``fp8_copy`` applied
   before ExpertParallel), bitwise: the output, the input's and the weights' gradients;
 - what each all-to-all sends from this rank (dtype, shape; forward and backward);
-- experts with FP8 dispatch that TorchTitan's own ExpertParallel parallelised refuse to run.
+- experts with FP8 dispatch that TorchTitan's own ExpertParallel parallelised refuse to run;
+- experts without FP8 dispatch under Fp8ExpertParallel (which the converter installs for the
+  whole process) run exactly as under ExpertParallel: the same results and all-to-alls.
 
 Arguments: cases ``recipe,device profile,token-group alignment``. Prints one ``RESULT {json}``
 line per case on rank 0."""
@@ -94,6 +96,7 @@ def run_case(mesh, recipe_name: str, arch: str, alignment: int) -> None:
         "fp8": (block(recipe, Fp8ExpertParallel()), lambda t: t),
         "fp8 copy in bf16": (block(decision.recipe, ExpertParallel()), lambda t: fp8_copy(t, cast)),
         "bf16": (block(decision.recipe, ExpertParallel()), lambda t: t),
+        "bf16 under Fp8ExpertParallel": (block(decision.recipe, Fp8ExpertParallel()), lambda t: t),
     }
     results = {}
     for name, (module, before) in runs.items():
@@ -111,7 +114,8 @@ def run_case(mesh, recipe_name: str, arch: str, alignment: int) -> None:
     except RuntimeError as e:
         unmarked_refused = "not titan-primus's Fp8ExpertParallel" in str(e)
     moe_utils.TOKEN_GROUP_ALIGN_SIZE_M = saved_alignment
-    fp8, copy_, bf16 = (results[k][0] for k in runs)
+    fp8, copy_, bf16 = (results[k][0] for k in ("fp8", "fp8 copy in bf16", "bf16"))
+    bf16_under_fp8_style = results["bf16 under Fp8ExpertParallel"]
     summary = {
         "recipe": recipe.describe(),
         "alignment": alignment,
@@ -121,6 +125,10 @@ def run_case(mesh, recipe_name: str, arch: str, alignment: int) -> None:
         "grad_weight_elements_differing_from_bf16": sum((a != b).sum().item() for a, b in zip(fp8[2:], bf16[2:])),
         "finite": all(torch.isfinite(t).all().item() for t in fp8),
         "unmarked_module_refused": unmarked_refused,
+        "bf16_under_fp8_expert_parallel_is_expert_parallel": all(
+            torch.equal(a, b) for a, b in zip(bf16_under_fp8_style[0], bf16)
+        )
+        and bf16_under_fp8_style[1:] == results["bf16"][1:],
         "forward_sent": {k: v[1] for k, v in results.items()},
         "backward_sent": {k: v[2] for k, v in results.items()},
     }

@@ -156,7 +156,9 @@ class Float8Converter:
     @functools.cached_property
     def _expert_parallel_dispatch_refusal(self) -> str | None:
         """Under expert parallelism: installs Fp8ExpertParallel in the model's parallelize
-        function (once), or says why it cannot."""
+        function (once per converter), or says why it cannot. The install is process-wide and
+        stays (see ``install_fp8_expert_parallel``): it rebinds a name in TorchTitan's module
+        globals, which the trainer's later parallelize call reads."""
         if self.ep_comm_backend != "standard":
             return (
                 f"TorchTitan's expert_parallel_comm_backend {self.ep_comm_backend!r} moves the tokens with its own "
