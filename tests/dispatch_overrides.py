@@ -4,7 +4,7 @@ PYTHONPATH): the converter as ``titan_primus.torchtitan.overrides.fp8`` runs it,
 - ``fp8_dispatch_probe``: each rank prints the first packed all-to-all payload it sends
   (``PACKED <dtype> <rows>x<bytes per row>``), so a test sees the FP8 path run in the trainer;
 - ``fp8_copy_in_bf16``: FP8 dispatch's definition with the tokens sent in the activations'
-  dtype (the dispatchers' ``fp8_on_the_wire=False``), what FP8 dispatch must equal bitwise;
+  dtype (:func:`copy_in_bf16_config`), what FP8 dispatch must equal bitwise;
 - ``fp8_first_half_experts``: every token routed to the first half of the experts, so that
   under EP 2 one rank's experts receive no token."""
 
@@ -18,6 +18,29 @@ from torchtitan.protocols.model import BaseModel
 
 import titan_primus.token_dispatch as token_dispatch
 from titan_primus.torchtitan import Float8Converter
+
+
+@functools.cache
+def _copy_in_bf16_class(fp8_cls):
+    class Fp8CopyInBf16(fp8_cls):
+        @dataclass(kw_only=True, slots=True)
+        class Config(fp8_cls.Config):
+            pass
+
+        def _dispatch_token_exchange(self, routed_input_ND, pg, output_splits, input_splits):
+            copy = token_dispatch.fp8_copy(routed_input_ND, self.fp8_dispatch_cast)
+            # TorchTitan's own all-to-all, the one the FP8 dispatcher replaces.
+            return super(fp8_cls, self)._dispatch_token_exchange(copy, pg, output_splits, input_splits)
+
+    return Fp8CopyInBf16
+
+
+def copy_in_bf16_config(fp8_config):
+    """``fp8_config`` (an FP8 dispatcher's Config) as the Config of a subclass that sends the same
+    FP8 copy through TorchTitan's all-to-all in the activations' dtype: FP8 dispatch's definition
+    without the transport."""
+    cls = _copy_in_bf16_class(type(fp8_config)._owner)
+    return cls.Config(**{f.name: getattr(fp8_config, f.name) for f in fields(fp8_config) if f.init})
 
 
 def _converted(model_config, options):
@@ -46,10 +69,10 @@ def fp8_dispatch_probe(model_config: BaseModel.Config, **converter_options) -> B
 @override(target=BaseModel.Config, description="titan-primus FP8 dispatch's definition sent in bf16 (tests)")
 def fp8_copy_in_bf16(model_config: BaseModel.Config, **converter_options) -> BaseModel.Config:
     model_config = _converted(model_config, converter_options)
-    dispatchers = [routed.token_dispatcher for _, routed, _, _ in model_config.traverse(RoutedExperts.Config)]
-    assert dispatchers and all(hasattr(d, "fp8_on_the_wire") for d in dispatchers), dispatchers
-    for dispatcher in dispatchers:
-        dispatcher.fp8_on_the_wire = False
+    routed_experts = [routed for _, routed, _, _ in model_config.traverse(RoutedExperts.Config)]
+    assert routed_experts and all(hasattr(r.token_dispatcher, "fp8_recipe") for r in routed_experts), routed_experts
+    for routed in routed_experts:
+        routed.token_dispatcher = copy_in_bf16_config(routed.token_dispatcher)
     return model_config
 
 

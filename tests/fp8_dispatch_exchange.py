@@ -3,7 +3,7 @@ token dispatcher against its FP8 dispatch subclass, dispatch -> experts (an FP8 
 on the emulation) -> combine -> backward, eager, compiled (fullgraph) or under selective
 activation checkpointing with TorchTitan's save set (``sac``):
 
-- FP8 on the wire equals the same FP8 copy sent in bf16 (``fp8_on_the_wire=False``), bitwise:
+- FP8 on the wire equals the same FP8 copy sent in bf16 (``dispatch_overrides.copy_in_bf16_config``), bitwise:
   the received rows, the output, every gradient;
 - the bytes each all-to-all moves, counted at the collective (``_c10d_functional`` ops, eager
   and compiled: a compiled step's second call runs its graphs under the counting mode), and how
@@ -38,7 +38,8 @@ from titan_primus.cpu_trainer.world import exit_without_teardown
 
 import titan_primus as tp
 from titan_primus.device import device_profile
-from titan_primus.token_dispatch import fp8_dispatch_cast
+from dispatch_overrides import copy_in_bf16_config
+from titan_primus.recipes import with_fp8_dispatch
 from titan_primus.torchtitan.token_dispatch import fp8_dispatcher_config
 
 _ALL_TO_ALL = {torch.ops._c10d_functional.all_to_all_single.default}
@@ -121,18 +122,15 @@ def main(recipe_name: str, definition: str, arch: str, padded: bool, mode: str, 
     set_spmd_backend("full_dtensor")  # TorchTitan's functional-collective path (as under compile), no spmd_types mesh
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))
-    recipe = tp.make_recipe(recipe_name, definition, device_profile(arch))
+    recipe = with_fp8_dispatch(tp.make_recipe(recipe_name, definition, device_profile(arch)))
     experts, top_k, dim, hidden, tokens = 8, 2, 256, 128, 96
     base = (
         TorchAOTokenDispatcher.Config(num_experts=experts, top_k=top_k, pad_multiple=32)
         if padded
         else AllToAllTokenDispatcher.Config(num_experts=experts, top_k=top_k)
     )
-    cast = fp8_dispatch_cast(recipe)
-    dispatchers = {"bf16": base.build(), "fp8": fp8_dispatcher_config(base, cast).build()}
-    reference = fp8_dispatcher_config(base, cast)
-    reference.fp8_on_the_wire = False
-    dispatchers["fp8 copy in bf16"] = reference.build()
+    dispatchers = {"bf16": base.build(), "fp8": fp8_dispatcher_config(base, recipe).build()}
+    dispatchers["fp8 copy in bf16"] = copy_in_bf16_config(fp8_dispatcher_config(base, recipe)).build()
     for d in dispatchers.values():
         d.wire_meshes(ep_mesh=mesh)
 

@@ -159,7 +159,7 @@ def stock_llama3_debug_config():
 
 
 def test_python_config_warns_once_and_its_one_line_fix_keeps_the_gemms(caplog, monkeypatch):
-    """README's way: ``model_registry(..., converters=[Float8Converter.Config()])`` in a config
+    """README's way ("Enable it"): ``model_registry(..., converters=[Float8Converter.Config()])`` in a config
     function. TorchTitan gives the converter no access to the trainer's activation checkpointing,
     so the converter names the one-line fix, in one line, the first time it converts in a process;
     with that line, the FP8 GEMMs are in the policy."""

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from repo_root import ROOT
 
 from titan_primus.cli import build_parser
 
-ROOT = Path(__file__).resolve().parents[1]
 WORKFLOWS = sorted((ROOT / ".github" / "workflows").glob("*.yml"))
 SCRIPTS = sorted((ROOT / "ci").glob("*.sh"))
 # Shell operators that end one command and start the next (or a redirection target).

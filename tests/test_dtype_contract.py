@@ -1,4 +1,4 @@
-"""The dtype contract (README, "The dtype contract"; titan_primus.ops): a linear returns the
+"""The dtype contract (docs/recipes.md, "The dtype contract"; titan_primus.ops): a linear returns the
 autocast dtype under autocast and x's dtype otherwise, on every backend, through the public op
 and through both adapters' modules, exactly as nn.Linear does; a grouped GEMM returns bfloat16
 whatever its inputs. And the emulation of TorchAO's recipes rounds where TorchAO rounds."""

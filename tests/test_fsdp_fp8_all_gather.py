@@ -278,7 +278,7 @@ def test_trainer_compile_with_the_converter_and_fp8_all_gather(eager_deepseek_v3
     converter and FP8 all-gather of its linears and expert weights inside the compiled blocks,
     against the eager run without FP8 all-gather (which the option does not change: tests
     above). Compiled FP8 blocks match eager to FP8's own noise (see test_compile.py); measured
-    loss gap at most 0.018% over 3 steps (seq 128, 2026-11-30); bound 0.1% (the README's)."""
+    loss gap at most 0.018% over 3 steps (seq 128, 2026-11-30); bound 0.1% (docs/parallelism.md's)."""
     compiled, log = _fp8_run("deepseek_v3", tmp_path / "c", 3, True, *FSDP2, "--compile.enable")
     eager = eager_deepseek_v3_without_fp8_all_gather
     assert "Compiling each TransformerBlock with torch.compile" in log

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 from packaging.version import Version
+from repo_root import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 
 # rocm/primus:v26.5 (Primus release notes): PyTorch 2.12.0+rocm7.15, torchao 0.15.0+git,

@@ -16,7 +16,11 @@ from test_distributed import ep_trainer_runs, torchrun_script
 from test_converter import convert
 from titan_helpers import ROOT, model_config, run_trainer
 from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
-from torchtitan.models.common.token_dispatcher import DeepEPTokenDispatcher, TorchAOTokenDispatcher
+from torchtitan.models.common.token_dispatcher import (
+    AllToAllTokenDispatcher,
+    DeepEPTokenDispatcher,
+    TorchAOTokenDispatcher,
+)
 
 import titan_primus as tp
 from titan_primus.block_scaling import cells_of, quantize_blocks
@@ -27,6 +31,7 @@ from titan_primus.numerics import make_offsets, reference_grouped, run_grouped, 
 from titan_primus.recipes import DEFINITIONS, RECIPE_NAMES, has_definition, with_fp8_dispatch
 from titan_primus.scaling import fake_quantize, quantize_per_group
 from titan_primus.token_dispatch import _pack, _unpack, fp8_copy, fp8_dispatch_cast, packed_row_bytes
+from titan_primus.torchtitan.token_dispatch import fp8_dispatcher_config
 
 HERE = Path(__file__).parent
 # (recipe, definition, device profile) of every recipe that sends its tokens in FP8.
@@ -75,7 +80,7 @@ def test_the_dispatched_copy_is_the_grouped_gemms_own_activation_cast(name, defi
     """What arrives is the forward cast of the bfloat16 rows (TorchTitan's experts cast their
     input to bfloat16), dequantized as the emulation dequantizes it, in the tokens' dtype; packing
     and unpacking loses nothing, and a row costs its FP8 bytes plus its scales."""
-    recipe = _recipe(name, definition, arch)
+    recipe = with_fp8_dispatch(_recipe(name, definition, arch))
     cast = fp8_dispatch_cast(recipe)
     x = DISTRIBUTIONS["rows of mixed scale"](torch.Generator().manual_seed(0), (64, 256)).to(dtype)
     copy = fp8_copy(x, cast)
@@ -97,7 +102,7 @@ def test_the_dispatched_copy_is_the_grouped_gemms_own_activation_cast(name, defi
 
 
 def test_gradients_pass_the_copy_unchanged():
-    cast = fp8_dispatch_cast(_recipe("rowwise", "torchao", "cpu"))
+    cast = fp8_dispatch_cast(with_fp8_dispatch(_recipe("rowwise", "torchao", "cpu")))
     x = torch.randn(16, 64, dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn(16, 64, dtype=torch.bfloat16)
     fp8_copy(x, cast).backward(grad)
@@ -117,10 +122,10 @@ def test_the_converter_gives_qualifying_experts_the_fp8_dispatcher_and_reports_e
         type(d)._owner.__name__ == "Fp8TorchAOTokenDispatcher"
         and isinstance(d, TorchAOTokenDispatcher.Config)
         and d.pad_multiple == 16
-        and d.fp8_dispatch_cast == fp8_dispatch_cast(recipe)
+        and d.fp8_recipe == with_fp8_dispatch(recipe)
         for d in dispatchers
     )
-    assert all(e.fp8_recipe.fp8_dispatch for _, e, _, _ in config.traverse(GroupedExperts.Config))
+    assert all(e.fp8_recipe == with_fp8_dispatch(recipe) for _, e, _, _ in config.traverse(GroupedExperts.Config))
     assert "EP token dispatch in FP8 payload + scales: layers.1.moe" in report.summary()
     # The emulation: the standard all-to-all dispatcher, subclassed.
     config, _ = convert("qwen3", model_config("qwen3", "debugmodel_moe"), device="cpu", fp8_dispatch=True)
@@ -146,6 +151,17 @@ def test_a_dispatcher_with_its_own_transport_keeps_it_with_the_reason():
     assert "moves the tokens with its own kernels" in report.summary()
 
 
+def test_the_fp8_dispatcher_sends_what_its_recipe_says():
+    """The FP8 dispatcher takes its cast from the experts' recipe: one without FP8 token
+    dispatch is refused rather than sent in FP8."""
+    config = fp8_dispatcher_config(
+        AllToAllTokenDispatcher.Config(num_experts=8, top_k=2), _recipe("rowwise", "torchao", "cpu")
+    )
+    with pytest.raises(ValueError, match=r"recipe rowwise \(torchao definition, e4m3fn\) has no FP8 token dispatch"):
+        config.build()
+    assert fp8_dispatch_cast(_recipe("rowwise", "torchao", "cpu")) is None
+
+
 def _wgrad_token_cast(A, recipe, offs):
     """(payload as float32, values the GEMM multiplies) of the weight gradient's cast of the
     tokens ``A`` [rows, K]: along the token dimension, per group, as the emulation casts it."""
@@ -167,7 +183,7 @@ def test_experts_forward_is_unchanged_and_weight_gradients_differ_in_subnormals_
     casts the copy), and for TorchAO's definitions its token cast differs only in elements
     FP8-subnormal in one of the two casts, its SQNR against fp32 within 0.01 dB. Measured:
     SQNR unchanged to 0.01 dB on every distribution."""
-    recipe = _recipe(name, definition, arch)
+    recipe = with_fp8_dispatch(_recipe(name, definition, arch))
     cast = fp8_dispatch_cast(recipe)
     backend = tp.registry.get_backend("emulated")
     offs = make_offsets([300, 0, 200, 524])
@@ -267,7 +283,7 @@ def test_fp8_all_to_all_on_two_ranks(name, definition, arch, dispatcher, mode, r
 @pytest.mark.parametrize("name, definition, arch", QUALIFYING)
 def test_the_dispatch_of_no_rows_runs_no_quantizer(name, definition, arch):
     """A rank with no routed token to send, or none received: empty payloads, no cast run."""
-    cast = fp8_dispatch_cast(_recipe(name, definition, arch))
+    cast = fp8_dispatch_cast(with_fp8_dispatch(_recipe(name, definition, arch)))
     x = torch.randn(0, 256, dtype=torch.bfloat16, requires_grad=True)
     packed = _pack(x, cast)
     assert packed.dtype == torch.uint8 and packed.shape == (0, packed_row_bytes(256, cast))
@@ -330,7 +346,7 @@ def test_trainer_fp8_dispatch_compiled(primus_rowwise_eager, tmp_path):
     """The same run with --compile.enable (each block fullgraph, the FP8 all-to-all inside):
     against the eager run without FP8 dispatch. Measured (2026-12-01): compiled on and compiled
     off equal to the logged digits; against eager, step 1 equal, 0.0004% apart at step 2,
-    0.013% at step 3; bound 0.1%, compile's elsewhere (the README's)."""
+    0.013% at step 3; bound 0.1%, compile's elsewhere (docs/parallelism.md)."""
     _, _, eager_off = primus_rowwise_eager
     compiled, log = _ep_run(
         tmp_path,

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from repo_root import ROOT
 
 from titan_primus.cli import build_parser
 from titan_primus.cli.report import load_document
@@ -29,7 +30,6 @@ from titan_primus.cli.validate.report import render_validate_markdown
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import corrupt_backend  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 QUICK_STEPS = 20
 pytestmark = pytest.mark.trainer
 

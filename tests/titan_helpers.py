@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+from repo_root import ROOT
 
 # The CPU launcher's attention swap (FlexAttention has no CPU backward), reused for models
 # built in-process. Importing it also points TorchTitan's device helpers at the CPU.

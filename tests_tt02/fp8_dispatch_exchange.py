@@ -5,7 +5,9 @@ GEMMs), dispatch -> experts -> combine -> backward, for each token-group alignme
 - FP8 on the wire equals TorchTitan's bf16 all-to-all of the same FP8 copy (``fp8_copy`` applied
   before ExpertParallel), bitwise: the output, the input's and the weights' gradients;
 - what each all-to-all sends from this rank (dtype, shape; forward and backward);
-- experts with FP8 dispatch that TorchTitan's own ExpertParallel parallelised refuse to run.
+- experts with FP8 dispatch that TorchTitan's own ExpertParallel parallelised refuse to run;
+- experts without FP8 dispatch under Fp8ExpertParallel (which the converter installs for the
+  whole process) run exactly as under ExpertParallel: the same results and all-to-alls.
 
 Arguments: cases ``recipe,device profile,token-group alignment``. Prints one ``RESULT {json}``
 line per case on rank 0."""
@@ -73,10 +75,10 @@ def run_case(mesh, recipe_name: str, arch: str, alignment: int) -> None:
         for i, (name, shape) in enumerate(shapes.items())
     }
 
-    def block(dispatch_cast, style):
+    def block(block_recipe, style):
         with torch.device("meta"):
             experts_ = GroupedExperts(dim, hidden, experts, use_grouped_mm=True)
-        module = Fp8GroupedExperts.from_experts(experts_, decision, None, recipe=recipe, dispatch_cast=dispatch_cast)
+        module = Fp8GroupedExperts.from_experts(experts_, decision, None, recipe=block_recipe)
         module.to_empty(device="cpu")
         with torch.no_grad():
             for name, w in weights.items():
@@ -91,9 +93,10 @@ def run_case(mesh, recipe_name: str, arch: str, alignment: int) -> None:
 
     saved_alignment, moe_utils.TOKEN_GROUP_ALIGN_SIZE_M = moe_utils.TOKEN_GROUP_ALIGN_SIZE_M, alignment
     runs = {
-        "fp8": (block(cast, Fp8ExpertParallel()), lambda t: t),
-        "fp8 copy in bf16": (block(None, ExpertParallel()), lambda t: fp8_copy(t, cast)),
-        "bf16": (block(None, ExpertParallel()), lambda t: t),
+        "fp8": (block(recipe, Fp8ExpertParallel()), lambda t: t),
+        "fp8 copy in bf16": (block(decision.recipe, ExpertParallel()), lambda t: fp8_copy(t, cast)),
+        "bf16": (block(decision.recipe, ExpertParallel()), lambda t: t),
+        "bf16 under Fp8ExpertParallel": (block(decision.recipe, Fp8ExpertParallel()), lambda t: t),
     }
     results = {}
     for name, (module, before) in runs.items():
@@ -106,12 +109,13 @@ def run_case(mesh, recipe_name: str, arch: str, alignment: int) -> None:
         grads = [p.grad.to_local() for p in (module.w1, module.w2, module.w3)]
         results[name] = (out.detach(), x_.grad, *grads), forward.sent, backward.sent
     try:
-        block(cast, ExpertParallel())(x, counts)
+        block(recipe, ExpertParallel())(x, counts)
         unmarked_refused = False
     except RuntimeError as e:
         unmarked_refused = "not titan-primus's Fp8ExpertParallel" in str(e)
     moe_utils.TOKEN_GROUP_ALIGN_SIZE_M = saved_alignment
-    fp8, copy_, bf16 = (results[k][0] for k in runs)
+    fp8, copy_, bf16 = (results[k][0] for k in ("fp8", "fp8 copy in bf16", "bf16"))
+    bf16_under_fp8_style = results["bf16 under Fp8ExpertParallel"]
     summary = {
         "recipe": recipe.describe(),
         "alignment": alignment,
@@ -121,6 +125,10 @@ def run_case(mesh, recipe_name: str, arch: str, alignment: int) -> None:
         "grad_weight_elements_differing_from_bf16": sum((a != b).sum().item() for a, b in zip(fp8[2:], bf16[2:])),
         "finite": all(torch.isfinite(t).all().item() for t in fp8),
         "unmarked_module_refused": unmarked_refused,
+        "bf16_under_fp8_expert_parallel_is_expert_parallel": all(
+            torch.equal(a, b) for a, b in zip(bf16_under_fp8_style[0], bf16)
+        )
+        and bf16_under_fp8_style[1:] == results["bf16"][1:],
         "forward_sent": {k: v[1] for k, v in results.items()},
         "backward_sent": {k: v[2] for k, v in results.items()},
     }

@@ -119,7 +119,8 @@ def test_fp8_all_to_all_is_the_bf16_all_to_all_of_the_fp8_copy():
     """Fp8ExpertParallel against TorchTitan's ExpertParallel on 2 gloo ranks: bitwise the bf16
     all-to-all of the FP8 copy (output, input and weight gradients), with and without token-group
     padding; forward with bf16 dispatch equal too (the GEMMs re-quantize the copy to the same
-    values); one packed uint8 all-to-all forward, the gradients' in bf16."""
+    values); one packed uint8 all-to-all forward, the gradients' in bf16. Experts without FP8
+    dispatch under Fp8ExpertParallel (installed for the whole process) run as under ExpertParallel."""
     cases = ["rowwise,cpu,8", "rowwise,cpu,16", "rowwise,gfx942,8", "mxfp8,cpu,32"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join(
@@ -143,6 +144,7 @@ def test_fp8_all_to_all_is_the_bf16_all_to_all_of_the_fp8_copy():
         assert r["bitwise_fp8_vs_copy_in_bf16"] and r["finite"], r
         assert r["output_equal_to_bf16"] and r["grad_input_equal_to_bf16"], r
         assert r["unmarked_module_refused"], r
+        assert r["bf16_under_fp8_expert_parallel_is_expert_parallel"], r
         dim = 256
         (counts, tokens, combine), (copy_counts, copy_tokens, _) = (
             r["forward_sent"]["fp8"],

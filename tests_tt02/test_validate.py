@@ -12,11 +12,11 @@ from pathlib import Path
 
 import corrupt_backend  # tests/ (conftest puts it on the path)
 import pytest
+from repo_root import ROOT
 
 from titan_primus.cli.report import load_document
 from titan_primus.cli.validate.command import judge_document
 
-ROOT = Path(__file__).resolve().parent.parent
 QUICK_STEPS = 20
 TOML = "examples/torchtitan02/llama3_debug_fp8.toml"
 pytestmark = pytest.mark.trainer

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import torch
 from torchtitan.config import JobConfig
 from torchtitan.distributed import ParallelDims
+from repo_root import ROOT
 
 from titan_primus.cpu_trainer import LAUNCHER_02
 from torchtitan.protocols.train_spec import get_train_spec
@@ -22,7 +23,6 @@ from titan_primus.conversion import ConversionOptions
 from titan_primus.torchtitan02 import Float8Converter
 
 MODELS = ["llama3", "deepseek_v3"]
-ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples" / "torchtitan02"
 LOSS = re.compile(r"step:\s*(\d+)\s.*?loss:\s*([0-9.]+)")
 

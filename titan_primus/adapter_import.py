@@ -104,7 +104,7 @@ def _fix(missing: str) -> str:
         return "CPU-only torch wheels bring no Triton and TorchTitan imports it: pip install triton"
     if top == "torch":
         return (
-            f"this TorchTitan needs a newer torch than {torch.__version__} (README, Install: minimum "
+            f"this TorchTitan needs a newer torch than {torch.__version__} (docs/install.md: minimum "
             f"versions per TorchTitan line)"
         )
     if top:

@@ -1,7 +1,7 @@
 """The two public FP8 ops, with argument checks that turn bad input into one clear error, and
 the dtype contract every backend and both TorchTitan adapters share.
 
-The dtype contract (stated for users in README, "The dtype contract"):
+The dtype contract (stated for users in docs/recipes.md, "The dtype contract"):
 
 - A linear computes in, and returns, :func:`linear_compute_dtype` of its input: the autocast
   dtype when autocast is enabled for the input's device type, else the input's dtype, as

@@ -141,12 +141,21 @@ class Fp8Recipe:
     scales of the forward activation cast (titan_primus.token_dispatch), so the experts receive
     that FP8 copy, dequantized: their forward is unchanged (re-quantizing the copy reproduces it)
     and the weight gradient of w1/w3 casts the tokens from the copy along the token dimension,
-    as DeepSeek-V3 does. Only where ``fp8_dispatch_refusal`` is None."""
+    as DeepSeek-V3 does. Only where ``fp8_dispatch_refusal`` is None. What the tokens are sent in
+    is ``titan_primus.token_dispatch.fp8_dispatch_cast`` of the recipe, which reads this field:
+    the dispatchers take their cast from it, so the recipe says what they send."""
     sixteen_bit_gemms: bool = False
     """Every FP8 GEMM writes bfloat16 or float16 only (Primus-Turbo: no backend of
     ``kernels/gemm/gemm_fp8_impl.py`` lists float32 output in its SUPPORTED_DTYPES), so a
     float32 linear gets a bfloat16 result upcast, and its backward quantizes the gradient of that
     result: the float32 gradient rounded to bfloat16."""
+
+    def __post_init__(self):
+        if self.fp8_dispatch and self.fp8_dispatch_refusal is not None:
+            raise ValueError(
+                f"titan-primus: no FP8 token dispatch for {self.name} ({self.definition} definition): "
+                f"{self.fp8_dispatch_refusal}"
+            )
 
     @property
     def block_scaled(self) -> bool:
@@ -348,6 +357,4 @@ def make_recipe(name: str, definition: str, device: DeviceProfile) -> Fp8Recipe:
 def with_fp8_dispatch(recipe: Fp8Recipe) -> Fp8Recipe:
     """``recipe`` with FP8 token dispatch (see ``Fp8Recipe.fp8_dispatch``); a ValueError naming
     the reason where the recipe does not qualify."""
-    if recipe.fp8_dispatch_refusal is not None:
-        raise ValueError(f"titan-primus: no FP8 token dispatch for {recipe.describe()}: {recipe.fp8_dispatch_refusal}")
     return replace(recipe, fp8_dispatch=True)

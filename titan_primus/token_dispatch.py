@@ -77,12 +77,13 @@ _MX_TILE = 32
 _E8M0_BIAS = 127
 
 
-def fp8_dispatch_cast(recipe: Fp8Recipe) -> DispatchCast:
-    """The cast :func:`fp8_all_to_all` sends ``recipe``'s routed tokens in; ``recipe`` must
-    qualify (``recipe.fp8_dispatch_refusal`` is None)."""
-    refusal = recipe.fp8_dispatch_refusal
-    if refusal is not None:
-        raise ValueError(f"titan-primus: no FP8 token dispatch for {recipe.describe()}: {refusal}")
+def fp8_dispatch_cast(recipe: Fp8Recipe) -> DispatchCast | None:
+    """The cast ``recipe``'s routed tokens cross the EP all-to-all in (:func:`fp8_all_to_all`),
+    where the recipe has FP8 token dispatch (``recipe.fp8_dispatch``, see ``with_fp8_dispatch``);
+    None where they cross it in the activations' dtype. The dispatchers take their cast from here,
+    so what they send is what the recipe (and its ``describe()``) says."""
+    if not recipe.fp8_dispatch:
+        return None
     cast = recipe.output.a
     mx_rule = recipe.block_scale if cast.granularity == "block" else None
     return DispatchCast(recipe.dtype(cast), recipe.pow2_scales, recipe.reciprocal_scales, mx_rule)

@@ -29,6 +29,7 @@ import types
 from pathlib import Path
 
 import torch
+from repo_root import ROOT
 
 from . import interpreter, stand_ins
 
@@ -116,16 +117,13 @@ def _custom_ops_on_cpu() -> None:
     torch.library.custom_op = custom_op
 
 
-REPO = Path(__file__).resolve().parents[2]
-
-
 def default_sources() -> Path:
     """``shared/primus-turbo`` beside the repository (``../shared/primus-turbo``), or beside the
     nearest folder above it that has one (a clone in a subfolder of the workspace)."""
-    for folder in REPO.parents:
+    for folder in ROOT.parents:
         if (folder / "shared" / "primus-turbo").is_dir():
             return folder / "shared" / "primus-turbo"
-    return REPO.parent / "shared" / "primus-turbo"
+    return ROOT.parent / "shared" / "primus-turbo"
 
 
 @functools.cache
@@ -178,7 +176,7 @@ def on_ci() -> bool:
 def require_sources_on_ci() -> None:
     """At a tier conftest's import: with ``CI`` set, a tier that cannot import its Primus-Turbo
     build stops pytest with the reason (variable and folder), instead of skipping every test and
-    passing: CI that skips the tier proves nothing the README claims of Primus-Turbo."""
+    passing: CI that skips the tier proves nothing docs/primus-turbo.md claims of Primus-Turbo."""
     turbo, why_not = from_environment()
     if turbo is None and on_ci():
         import pytest

@@ -13,6 +13,7 @@ from titan_helpers import ROOT
 import titan_primus as tp
 from real_turbo.conftest import ARCH, BUILD
 from titan_primus.numerics import make_offsets, run_grouped
+from titan_primus.recipes import with_fp8_dispatch
 from titan_primus.token_dispatch import fp8_copy, fp8_dispatch_cast
 
 # Measured on the emulation and on Primus-Turbo's own code (v0.3.2.dev48, v0.4.1.dev26; gfx942,
@@ -49,7 +50,7 @@ def test_fp8_dispatched_tokens_change_nothing_on_primus_turbo():
     def fp8(A, B_t, offs):
         return turbo.grouped_mm(A, B_t, offs, recipe)
 
-    copy = fp8_copy(A, fp8_dispatch_cast(recipe))
+    copy = fp8_copy(A, fp8_dispatch_cast(with_fp8_dispatch(recipe)))
     assert not torch.equal(copy, A)
     tokens, dispatched = (run_grouped(fp8, a, W, make_offsets(counts), grad) for a in (A, copy))
     for name, t, d in zip(("out", "grad_A", "grad_W"), tokens, dispatched):

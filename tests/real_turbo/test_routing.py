@@ -67,7 +67,7 @@ def test_block_shapes_are_refused_with_the_reason(op, recipe, k, n, rule):
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_linear_dtypes_follow_nn_linear(recipe):
-    """The dtype contract (README): the autocast dtype under autocast, x's dtype otherwise;
+    """The dtype contract (docs/recipes.md, "The dtype contract"): the autocast dtype under autocast, x's dtype otherwise;
     gradients in the inputs' dtypes."""
     for x_dtype in (torch.float32, torch.float16, torch.bfloat16):
         for autocast_dtype in (None, torch.bfloat16, torch.float16):

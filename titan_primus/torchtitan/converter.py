@@ -15,7 +15,6 @@ from torchtitan.models.common.linear import Linear
 from torchtitan.models.common.moe import GroupedExperts
 
 from ..recipes import with_fp8_dispatch
-from ..token_dispatch import fp8_dispatch_cast
 from ..conversion import ConversionOptions, LayerRouter, group_alignment, keep_fp8_cast_rounding_under_inductor
 from ..sentinel import COMPILE_UNSUPPORTED, SentinelLayer, drive_trainer
 from .modules import Fp8Linear, fp8_experts_class, is_fp8_config
@@ -200,10 +199,12 @@ class Float8Converter(QuantizationConverter):
     def _fp8_token_dispatch(self, fqn, routed_experts, recipe):
         """``recipe``, with FP8 token dispatch where the recipe and TorchTitan's dispatcher allow it
         (``routed_experts``, the RoutedExperts.Config, then gets the FP8 dispatcher)."""
-        swapped = None
+        dispatching = swapped = None
         if recipe.fp8_dispatch_refusal is None:
-            swapped = fp8_dispatcher_config(routed_experts.token_dispatcher, fp8_dispatch_cast(recipe))
+            # One recipe for the experts and their dispatcher: it says what the tokens are sent in.
+            dispatching = with_fp8_dispatch(recipe)
+            swapped = fp8_dispatcher_config(routed_experts.token_dispatcher, dispatching)
         if not self.router.token_dispatch(fqn, recipe, unsupported=swapped if isinstance(swapped, str) else None):
             return recipe
         routed_experts.token_dispatcher = swapped
-        return with_fp8_dispatch(recipe)
+        return dispatching

@@ -8,7 +8,8 @@ from dataclasses import dataclass, fields
 
 from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
 
-from ..token_dispatch import DispatchCast, fp8_all_to_all, fp8_copy
+from ..recipes import Fp8Recipe
+from ..token_dispatch import fp8_all_to_all, fp8_copy, fp8_dispatch_cast
 
 __all__ = ["fp8_dispatcher_config"]
 
@@ -24,15 +25,18 @@ def _fp8_dispatcher_class(parent_cls: type[AllToAllTokenDispatcher]) -> type[All
     class Fp8TokenDispatcher(parent_cls):  # type: ignore[valid-type, misc]
         @dataclass(kw_only=True, slots=True)
         class Config(parent_cls.Config):  # type: ignore[misc, name-defined]
-            fp8_dispatch_cast: DispatchCast
-            fp8_on_the_wire: bool = True
-            """False sends the same FP8 copy in the activations' dtype: the definition without
-            the transport, which tests compare the transport with."""
+            fp8_recipe: Fp8Recipe
+            """The experts' recipe, with FP8 token dispatch: the tokens cross in its
+            ``fp8_dispatch_cast``."""
 
         def __init__(self, config: Config):
             super().__init__(config)
-            self.fp8_dispatch_cast = config.fp8_dispatch_cast
-            self.fp8_on_the_wire = config.fp8_on_the_wire
+            self.fp8_dispatch_cast = fp8_dispatch_cast(config.fp8_recipe)
+            if self.fp8_dispatch_cast is None:
+                raise ValueError(
+                    f"titan-primus: {type(self).__name__} sends the tokens in FP8, but its recipe "
+                    f"{config.fp8_recipe.describe()} has no FP8 token dispatch (with_fp8_dispatch)"
+                )
 
         def dispatch(self, x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E):
             if self.ep_mesh is None:  # no all-to-all: the experts get the same FP8 copy
@@ -40,9 +44,6 @@ def _fp8_dispatcher_class(parent_cls: type[AllToAllTokenDispatcher]) -> type[All
             return super().dispatch(x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E)
 
         def _dispatch_token_exchange(self, routed_input_ND, pg, output_splits, input_splits):
-            if not self.fp8_on_the_wire:
-                routed_input_ND = fp8_copy(routed_input_ND, self.fp8_dispatch_cast)
-                return super()._dispatch_token_exchange(routed_input_ND, pg, output_splits, input_splits)
             return fp8_all_to_all(routed_input_ND, self.fp8_dispatch_cast, output_splits, input_splits, self.ep_mesh)
 
     name = f"Fp8{parent_cls.__name__}"
@@ -51,9 +52,10 @@ def _fp8_dispatcher_class(parent_cls: type[AllToAllTokenDispatcher]) -> type[All
     return Fp8TokenDispatcher
 
 
-def fp8_dispatcher_config(dispatcher_config, cast: DispatchCast):
+def fp8_dispatcher_config(dispatcher_config, recipe: Fp8Recipe):
     """``dispatcher_config`` (an all-to-all dispatcher's Config) as the Config of its FP8
-    dispatch subclass; a reason string where TorchTitan's dispatcher does its own transport."""
+    dispatch subclass for the experts' ``recipe`` (with FP8 token dispatch); a reason string
+    where TorchTitan's dispatcher does its own transport."""
     parent_cls = getattr(type(dispatcher_config), "_owner", None)
     if parent_cls is None or not issubclass(parent_cls, AllToAllTokenDispatcher):
         return (
@@ -64,4 +66,4 @@ def fp8_dispatcher_config(dispatcher_config, cast: DispatchCast):
         parent_cls = parent_cls.__mro__[1]
     cls = _fp8_dispatcher_class(parent_cls)
     values = {f.name: getattr(dispatcher_config, f.name) for f in fields(parent_cls.Config) if f.init}
-    return cls.Config(**values, fp8_dispatch_cast=cast)
+    return cls.Config(**values, fp8_recipe=recipe)

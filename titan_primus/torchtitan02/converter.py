@@ -24,7 +24,6 @@ from ..conversion import (
 from ..fsdp_fp8 import fp8_all_gather_plan, precompute_fp8_weight_amaxes
 from ..recipes import with_fp8_dispatch
 from ..sentinel import COMPILE_UNSUPPORTED, SentinelLayer, drive_trainer, watch
-from ..token_dispatch import fp8_dispatch_cast
 from .modules import Fp8GroupedExperts, Fp8Linear
 from .token_dispatch import install_fp8_expert_parallel
 
@@ -140,11 +139,10 @@ class Float8Converter:
             # TorchTitan 0.2 pads token groups to one global multiple (its EP dispatch reads it too).
             set_token_group_alignment_size_m(alignment)
         plan = self._all_gather_plan("grouped_mm", decision)
-        recipe, cast = decision.recipe, None
+        recipe = decision.recipe
         if self.router.token_dispatch(fqn, recipe, unsupported=self._fp8_dispatch_transport(recipe)):
             recipe = with_fp8_dispatch(recipe)
-            cast = fp8_dispatch_cast(recipe)
-        fp8 = Fp8GroupedExperts.from_experts(experts, decision, alignment, plan, recipe=recipe, dispatch_cast=cast)
+        fp8 = Fp8GroupedExperts.from_experts(experts, decision, alignment, plan, recipe=recipe)
         self._place(model, fqn, fp8)
 
     def _fp8_dispatch_transport(self, recipe) -> str | None:
@@ -158,7 +156,9 @@ class Float8Converter:
     @functools.cached_property
     def _expert_parallel_dispatch_refusal(self) -> str | None:
         """Under expert parallelism: installs Fp8ExpertParallel in the model's parallelize
-        function (once), or says why it cannot."""
+        function (once per converter), or says why it cannot. The install is process-wide and
+        stays (see ``install_fp8_expert_parallel``): it rebinds a name in TorchTitan's module
+        globals, which the trainer's later parallelize call reads."""
         if self.ep_comm_backend != "standard":
             return (
                 f"TorchTitan's expert_parallel_comm_backend {self.ep_comm_backend!r} moves the tokens with its own "

@@ -18,7 +18,7 @@ from ..fsdp_fp8 import Fp8AllGatherPlan, enable_fp8_all_gather
 from ..ops import run_grouped_mm, run_linear
 from ..recipes import Fp8Recipe
 from ..routing import RoutingDecision
-from ..token_dispatch import DispatchCast, fp8_copy
+from ..token_dispatch import DispatchCast, fp8_copy, fp8_dispatch_cast
 
 __all__ = ["Fp8Linear", "Fp8GroupedExperts"]
 
@@ -66,6 +66,7 @@ class Fp8GroupedExperts(GroupedExperts):
     """
 
     fp8_dispatch_cast: DispatchCast | None = None
+    """``fp8_dispatch_cast(fp8_recipe)``: what the routed tokens arrive in (None: in the activations' dtype)."""
     fp8_dispatch_installed: bool = False
     """Set by ``Fp8ExpertParallel`` when it parallelises this module."""
 
@@ -78,17 +79,15 @@ class Fp8GroupedExperts(GroupedExperts):
         all_gather: Fp8AllGatherPlan | None = None,
         *,
         recipe: Fp8Recipe | None = None,
-        dispatch_cast: DispatchCast | None = None,
     ):
         """``all_gather``: FSDP2 gathers w1/w2/w3 as FP8 per this plan (None: bf16);
-        ``recipe``: instead of the decision's (FP8 token dispatch); ``dispatch_cast``: the cast the
-        routed tokens arrive in (FP8 token dispatch; None: in the activations' dtype)."""
+        ``recipe``: instead of the decision's (with FP8 token dispatch)."""
         num_experts, hidden_dim, dim = experts.w1.shape
         with torch.device("meta"):
             fp8 = cls(dim, hidden_dim, num_experts, experts.use_grouped_mm)
         fp8.w1, fp8.w2, fp8.w3 = experts.w1, experts.w2, experts.w3
         fp8.fp8_backend, fp8.fp8_recipe = decision.backend, recipe or decision.recipe
-        fp8.fp8_dispatch_cast = dispatch_cast
+        fp8.fp8_dispatch_cast = fp8_dispatch_cast(fp8.fp8_recipe)
         fp8.pad_token_groups = group_alignment is not None
         if all_gather is not None:
             for name in ("w1", "w2", "w3"):

@@ -70,8 +70,15 @@ def _mark(module) -> None:
 def install_fp8_expert_parallel(model_name: str) -> str | None:
     """Make the ``ExpertParallel()`` that ``model_name``'s parallelize function builds (through
     ``apply_moe_ep_tp``) an :class:`Fp8ExpertParallel`. None when done (or already), else the
-    reason it cannot be. Process-wide and idempotent: for modules without an FP8 dispatch cast
-    the subclass is ``ExpertParallel`` itself."""
+    reason it cannot be.
+
+    Process-wide, and never undone: it rebinds ``ExpertParallel`` in the globals of the module
+    that defines ``apply_moe_ep_tp`` (llama4's parallelize, which deepseek_v3 and qwen3 import),
+    for every model and trainer in the process. It cannot be scoped to one model: the converter
+    runs in the trainer's ``__init__`` before the trainer calls the parallelize function, which
+    builds its ``ExpertParallel()`` inside, and 0.2.x has no hook between the two to restore the
+    name after. Idempotent, and inert for everything else: for a module without an FP8 dispatch
+    cast the subclass is ``ExpertParallel`` itself (bitwise: tests_tt02/fp8_dispatch_exchange.py)."""
     parallelize = get_train_spec(model_name).parallelize_fn
     apply_moe_ep_tp = getattr(parallelize, "__globals__", {}).get("apply_moe_ep_tp")
     namespace = getattr(apply_moe_ep_tp, "__globals__", {})

@@ -30,8 +30,11 @@ from ... import cpu_trainer
 
 __all__ = ["FP8_OPTIONS_ENV", "Line02", "Line03", "TrainerLine", "trainer_line"]
 
-# The 0.2.x CPU defaults are example TOMLs of a clone (examples/torchtitan02).
-REPO = Path(__file__).resolve().parents[3]
+# The clone this package runs from, when it runs from one: a relative 0.2.x --config that is not
+# under the working directory is looked up there, so the CPU defaults (example TOMLs of the
+# clone, examples/torchtitan02) resolve from any directory. An installed wheel has no examples/:
+# there the 0.2.x defaults are refused as missing, and --config names the job's TOML.
+CLONE_ROOT = Path(__file__).resolve().parents[3]
 # On 0.2.x, whether a run trains with titan-primus's converter (set by validate for every run).
 CONVERTER_ENV = "TITAN_PRIMUS_VALIDATE_CONVERTER"
 # The converter options of the FP8 runs only (a JSON object of ConversionOptions fields).
@@ -225,7 +228,7 @@ class Line02(TrainerLine):
 
     def _toml(self, config: str) -> Path:
         path = Path(config)
-        return path.resolve() if path.is_absolute() or path.exists() else REPO / path
+        return path.resolve() if path.is_absolute() or path.exists() else CLONE_ROOT / path
 
     def check_plan(self, module, config):
         path = self._toml(config)
