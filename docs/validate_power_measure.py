@@ -139,7 +139,7 @@ def render(figures: dict, model: str) -> str:
     out += ["", "| healthy run: verdict | value | bound | margin (bound / value) |", "|---|---|---|---|"]
     healthy = {**figures["healthy_verdicts"], **figures["healthy_with_baseline"]}
     for name, (status, value, bound) in healthy.items():
-        if isinstance(value, float) and isinstance(bound, float) and value:
+        if isinstance(value, float) and isinstance(bound, float) and value and ("curve" in name or "level" in name):
             out.append(f"| {name} ({status}) | {value:.4g} | {bound:.4g} | {bound / value:.1f}x |")
     return "\n".join(out)
 
