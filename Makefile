@@ -151,7 +151,9 @@ test-oldest: $(STAMP_OLDEST)
 # registry here), a wheel in shared/torchtitan-next beside the checkout (or beside the nearest
 # folder above it that has one, as for the Primus-Turbo tier's sources); TORCHTITAN_NEXT overrides
 # the folder. Its own venv (torch 2.14.1, the wheel's dependencies from the registry), and the 0.3
-# adapter's converter, shapes, activation-checkpointing and trainer tests on it.
+# adapter's converter, shapes, activation-checkpointing and trainer tests on it, and its token
+# dispatch at TorchTitan's dispatcher seam: the converter's FP8 dispatchers, and the FP8
+# subclasses of its all-to-all and padding dispatchers on 2 gloo ranks (no trainer).
 # A clone of a local checkout (a fresh clone in a temporary folder) looks beside that checkout too.
 TORCHTITAN_NEXT ?= $(shell for d in '$(CURDIR)' "$$(git -C '$(CURDIR)' config --get remote.origin.url)"; do \
 	[ -d "$$d" ] || continue; d=$$(cd "$$d" && pwd); while [ "$$d" != / ]; do d=$$(dirname "$$d"); \
@@ -159,7 +161,9 @@ TORCHTITAN_NEXT ?= $(shell for d in '$(CURDIR)' "$$(git -C '$(CURDIR)' config --
 VENV_TT_NEXT  := .venv-tt-next
 PY_TT_NEXT    := $(VENV_TT_NEXT)/bin/python
 STAMP_TT_NEXT := $(VENV_TT_NEXT)/.installed
-TT_NEXT_TESTS := tests/test_converter.py tests/test_shapes.py tests/test_activation_checkpointing.py tests/test_trainer.py
+TT_NEXT_TESTS := tests/test_converter.py tests/test_shapes.py tests/test_activation_checkpointing.py tests/test_trainer.py \
+	tests/test_token_dispatch.py::test_the_converter_gives_qualifying_experts_the_fp8_dispatcher_and_reports_every_layer \
+	tests/test_token_dispatch.py::test_fp8_all_to_all_on_two_ranks
 # Not the two compiled selective-AC cases: about 1000 s of inductor builds on the 2-core machine
 # (2026-12-01, under load), a fifth of CI's budget; make test runs them on TorchTitan 0.3.0.
 TT_NEXT_SELECT := not compiled

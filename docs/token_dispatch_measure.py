@@ -4,69 +4,30 @@ For each recipe and 6 token distributions, the emulated grouped GEMM (4 experts,
 200 / 524, K = 256, N = 128) runs on the tokens and on their forward FP8 copy (what FP8 dispatch
 delivers: the rowwise or 1x32 cast for the recipes that qualify; the 1x128 tile cast for
 blockwise, which does not): is the forward bitwise the same, is grad_A, and how does the weight
-gradient's SQNR against fp32 change.
+gradient's SQNR against fp32 change. The measurement is tests/token_dispatch_cost.py's.
 
 Usage (repository root): ``PYTHONPATH=. OMP_NUM_THREADS=1 python docs/token_dispatch_measure.py``
 """
 
+import sys
+from pathlib import Path
+
 import torch
 
-from titan_primus import block_scaling
-from titan_primus.backends.emulated import EmulatedBackend
-from titan_primus.device import device_profile
-from titan_primus.numerics import make_offsets, reference_grouped, run_grouped, sqnr
-from titan_primus.recipes import make_recipe
-from titan_primus.token_dispatch import DispatchCast, fp8_copy
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-DISTRIBUTIONS = {
-    "normal": lambda s: torch.randn(s),
-    "heavy": lambda s: torch.randn(s) * torch.exp(2 * torch.randn(s[0], 1)),
-    "laplace": lambda s: torch.distributions.Laplace(0, 1).sample(s),
-    "outliers": lambda s: torch.randn(s) * (1 + 30 * (torch.rand(s) < 0.001)),
-    "tiny": lambda s: torch.randn(s) * 1e-3,
-    "wide": lambda s: torch.randn(s) * torch.exp(4 * torch.randn(s)),
-}
-CASES = [
-    ("rowwise", "torchao", "sm90"),
-    ("rowwise", "primus_turbo", "gfx942"),
-    ("mxfp8", "torchao", "sm100"),
-    ("mxfp8", "primus_turbo", "gfx950"),
-    ("blockwise", "torchao", "sm90"),
-    ("blockwise", "primus_turbo", "gfx942"),
-]
+from token_dispatch_cost import CASES, DISTRIBUTIONS, runs  # noqa: E402
 
-
-def forward_copy(A: torch.Tensor, recipe) -> torch.Tensor:
-    """The tokens as the recipe's forward activation cast leaves them, dequantized."""
-    cast = recipe.output.a
-    if cast.granularity == "block" and recipe.block_scale.kind == "fp32":
-        cells = block_scaling.cells_of(tuple(A.shape), cast.block, A.device)
-        data, scale_inv = block_scaling.quantize_blocks(A, recipe.dtype(cast), recipe.block_scale, cells)
-        return block_scaling.dequantize(data, scale_inv, cells).to(A.dtype)
-    mx_rule = recipe.block_scale if cast.granularity == "block" else None
-    return fp8_copy(A, DispatchCast(recipe.dtype(cast), recipe.pow2_scales, recipe.reciprocal_scales, mx_rule))
+from titan_primus.device import device_profile  # noqa: E402
+from titan_primus.numerics import sqnr  # noqa: E402
+from titan_primus.recipes import make_recipe  # noqa: E402
 
 
 def main() -> None:
-    emulated = EmulatedBackend()
-    counts = [300, 0, 200, 524]
     for name, definition, arch in CASES:
         recipe = make_recipe(name, definition, device_profile(arch))
         for label, make in DISTRIBUTIONS.items():
-            torch.manual_seed(1)
-            offs = make_offsets(counts)
-            A = make((sum(counts), 256)).bfloat16()
-            W = (torch.randn(4, 128, 256) * 0.05).bfloat16()
-            grad = torch.randn(sum(counts), 128).bfloat16()
-
-            def gemm(a, b, o):
-                return emulated.grouped_mm(a, b, o, recipe)
-
-            reference = reference_grouped(A, W, offs, grad)
-            tokens, copy = (
-                run_grouped(gemm, A, W, offs, grad),
-                run_grouped(gemm, forward_copy(A, recipe), W, offs, grad),
-            )
+            reference, tokens, copy = runs(recipe, make)
             print(
                 f"{name:9s} {definition:12s} {label:8s} forward bitwise {torch.equal(tokens[0], copy[0])}, "
                 f"grad_A bitwise {torch.equal(tokens[1], copy[1])}, wgrad SQNR {sqnr(reference[2], tokens[2]):6.2f} -> "

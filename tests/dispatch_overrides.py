@@ -5,13 +5,15 @@ PYTHONPATH): the converter as ``titan_primus.torchtitan.overrides.fp8`` runs it,
   (``PACKED <dtype> <rows>x<bytes per row>``), so a test sees the FP8 path run in the trainer;
 - ``fp8_copy_in_bf16``: FP8 dispatch's definition with the tokens sent in the activations'
   dtype (:func:`copy_in_bf16_config`), what FP8 dispatch must equal bitwise;
-- ``fp8_first_half_experts``: every token routed to the first half of the experts, so that
-  under EP 2 one rank's experts receive no token."""
+- ``fp8_first_half_experts``: on odd steps every token routed to the first half of the
+  experts, so that under EP 2 one rank's experts receive no token; TorchTitan's routing on even
+  steps."""
 
 import functools
 from dataclasses import dataclass, fields
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torchtitan.config.override import override
 from torchtitan.models.common.moe import MoE, RoutedExperts, TokenChoiceTopKRouter
 from torchtitan.protocols.model import BaseModel
@@ -82,8 +84,9 @@ def fp8_copy_in_bf16(model_config: BaseModel.Config, **converter_options) -> Bas
 )
 def fp8_first_half_experts(model_config: BaseModel.Config, **converter_options) -> BaseModel.Config:
     """The converter, with every MoE router sending each token to experts of the first half only
-    (round robin over them): under EP 2 the second rank's experts receive no token, in every
-    step, forward, backward and recomputation alike (the routing depends on no state)."""
+    (round robin over them) on odd steps: under EP 2 the second rank's experts then receive no
+    token, forward, backward and recomputation alike (the routing depends on the optimizer steps
+    taken, which recomputation does not change, not on how often the router ran)."""
     model_config = _converted(model_config, converter_options)
     for _, moe, _, _ in model_config.traverse(MoE.Config):
         router = moe.router
@@ -93,21 +96,44 @@ def fp8_first_half_experts(model_config: BaseModel.Config, **converter_options) 
     return model_config
 
 
+class _Steps:
+    """Optimizer steps this process has taken: those of the first optimizer that stepped (a
+    container of optimizers steps each of its own too)."""
+
+    first, taken = None, 0
+
+    @classmethod
+    def count(cls, optimizer, args, kwargs):
+        cls.first = cls.first or optimizer
+        cls.taken += optimizer is cls.first
+
+
+register_optimizer_step_post_hook(_Steps.count)
+
+
 class FirstHalfRouter(TokenChoiceTopKRouter):
     """TorchTitan's router whose debug round robin (``_debug_force_load_balance``) runs over the
-    first half of the experts."""
+    first half of the experts, on odd steps only."""
 
-    printed = False
+    printed_at = None
 
     @dataclass(kw_only=True, slots=True)
     class Config(TokenChoiceTopKRouter.Config):
         pass
 
+    def forward(self, *args, **kwargs):
+        self._debug_force_load_balance = _Steps.taken % 2 == 0
+        return super().forward(*args, **kwargs)
+
     def _debug_force_load_balance_routing(self, scores_BLE):
         bs, slen, _ = scores_BLE.shape
         ids = torch.arange(bs * slen * self.top_k, device=scores_BLE.device).reshape(bs, slen, self.top_k)
         ids = ids % (self.num_experts // 2)
-        if not FirstHalfRouter.printed:  # once per rank: what the test sees of the routing
-            FirstHalfRouter.printed = True
-            print(f"ROUTED to experts {ids.min().item()}-{ids.max().item()} of {self.num_experts}", flush=True)
+        step = _Steps.taken + 1
+        if FirstHalfRouter.printed_at != step:  # once per rank and step: what the test sees of the routing
+            FirstHalfRouter.printed_at = step
+            print(
+                f"ROUTED at step {step} to experts {ids.min().item()}-{ids.max().item()} of {self.num_experts}",
+                flush=True,
+            )
         return ids, scores_BLE.gather(dim=-1, index=ids)

@@ -15,6 +15,7 @@ from closeness import assert_losses_within
 from test_distributed import ep_trainer_runs, torchrun_script
 from test_converter import convert
 from titan_helpers import ROOT, model_config, run_trainer
+from token_dispatch_cost import CASES, wgrad_losses
 from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
 from torchtitan.models.common.token_dispatcher import (
     AllToAllTokenDispatcher,
@@ -66,7 +67,38 @@ def test_which_recipes_send_their_tokens_in_fp8_is_recipe_data():
             ):
                 with_fp8_dispatch(recipe)
     assert "spans every routed token" in _recipe("tensorwise", "torchao", "sm90").fp8_dispatch_refusal
-    assert "2.3 dB" in _recipe("blockwise", "primus_turbo", "gfx942").fp8_dispatch_refusal
+
+
+def test_the_refusals_figures_are_the_measured_losses():
+    """A refusal that states what the weight gradient would lose states the measurement
+    (tests/token_dispatch_cost.py: the worst of 6 distributions, per definition on the device
+    it was measured on): the figure is the worst loss of the recipe's definitions (blockwise's
+    two share one text) rounded to its printed digits, so within half a unit of its last digit,
+    and no definition loses more than that. Measured: blockwise 2.32 (TorchAO) and 2.25 dB
+    (Primus-Turbo), Primus-Turbo's mxfp8 0.12 dB."""
+    worst = {}
+    for name, definition, arch in CASES:
+        recipe = _recipe(name, definition, arch)
+        if recipe.fp8_dispatch_refusal is None:
+            continue
+        loss = max(wgrad_losses(recipe).values())
+        print(f"{name} ({definition}, {arch}): wgrad loses up to {loss:.3f} dB from the FP8 copy")
+        worst.setdefault(recipe.fp8_dispatch_refusal, []).append(loss)
+    stating_a_figure = {
+        refusal
+        for name in RECIPE_NAMES
+        for definition in DEFINITIONS
+        if has_definition(name, definition)
+        and "dB"
+        in (refusal := _recipe(name, definition, "sm100" if name == "mxfp8" else "gfx942").fp8_dispatch_refusal or "")
+    }
+    assert set(worst) == stating_a_figure and len(worst) == 2  # blockwise's text and Primus-Turbo's mxfp8's
+    for refusal, losses in worst.items():
+        stated = re.search(r"loses up to (\d+\.(\d+)) dB", refusal)
+        assert stated, refusal
+        figure, half_unit = float(stated[1]), 0.5 * 10 ** -len(stated[2])
+        assert abs(max(losses) - figure) <= half_unit, (refusal, losses)
+        assert all(loss <= figure + half_unit for loss in losses), (refusal, losses)
 
 
 def test_fp8_dispatch_option_is_checked():
@@ -421,25 +453,29 @@ def test_trainer_block_recipes_under_expert_parallelism_with_fp8_dispatch(recipe
 @pytest.mark.parametrize(
     "options, bound",
     [
-        ({"recipe": "rowwise", "device": "gfx942", "fp8_dispatch": True}, 0.0004),
-        ({"recipe": "rowwise", "device": "cpu", "fp8_dispatch": False}, 0.0004),
+        ({"recipe": "rowwise", "device": "gfx942", "fp8_dispatch": True}, 0.0014),
+        ({"recipe": "rowwise", "device": "cpu", "fp8_dispatch": False}, 0.0003),
     ],
     ids=["primus_turbo-rowwise-fp8_dispatch", "torchao-rowwise"],
 )
 def test_trainer_with_a_rank_whose_experts_receive_no_token(options, bound, tmp_path):
-    """deepseek_v3 debug, EP 2 on 2 gloo ranks, every token routed to the first rank's experts
-    (dispatch_overrides.fp8_first_half_experts): the second rank's grouped GEMMs get no row in
-    any step, and the run trains as the same ranks without EP (a loss that is NaN fails the
-    comparison). Both rowwise definitions: step 1 equal (only the weight gradients' scales can
-    differ across the EP degree). Measured over 2 steps at seq 64 (2026-12-02): Primus-Turbo's
-    rowwise with FP8 dispatch 7.56916 against 7.56942 at step 2 (0.0034%), TorchAO's rowwise
-    7.56885 against 7.56858 (0.0036%); bound 0.04%, about 10x the measured gap."""
+    """deepseek_v3 debug, EP 2 on 2 gloo ranks, every token of step 1 routed to the first rank's
+    experts (dispatch_overrides.fp8_first_half_experts): the second rank's grouped GEMMs get no
+    row in step 1, forward, backward and selective AC's recomputation; step 2 routes as
+    TorchTitan does, after a step in which one rank's experts had no token. The run trains as
+    the same ranks without EP (a loss that is NaN fails the comparison). Both rowwise
+    definitions: step 1 equal (only the weight gradients' scales can differ across the EP
+    degree). Measured over 2 steps at seq 64 (2026-12-02): step 1 equal (8.03201 and 8.02598);
+    at step 2 Primus-Turbo's rowwise with FP8 dispatch 7.57178 against 7.57285 (0.0141%),
+    TorchAO's rowwise 7.56818 against 7.56797 (0.0028%); bounds 0.14% and 0.03%, about 10x the
+    measured gaps."""
     options = {**options, "backend": "emulated"}
     env = {"PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE)])}
     ep, dp, log = ep_trainer_runs(
         tmp_path, "dispatch_overrides.fp8_first_half_experts", options, steps=2, seq_len=64, env=env
     )
-    assert log.count("ROUTED to experts 0-3 of 8") == 2  # each rank's router: rank 1's experts get no token
+    # each rank's router at step 1: rank 1's experts get no token; at step 2 TorchTitan's routing
+    assert log.count("ROUTED at step 1 to experts 0-3 of 8") == 2 and "ROUTED at step 2" not in log
     assert sorted(ep) == sorted(dp) == [1, 2]
     print(f"{options}: EP {ep}, without {dp}")
     assert ep[1] == dp[1]

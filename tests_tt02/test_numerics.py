@@ -33,12 +33,20 @@ CASES = [
     ("emulated", "gfx942", "blockwise"),
 ]
 
-# Blockwise experts on padded token groups against the ragged shared op: fp32 accumulation order
-# only (measured 2026-12-01: output 138 dB, grad_input 173 dB).
+# Blockwise experts on padded token groups against the ragged shared op: the block GEMMs' fp32
+# accumulation order, in grad_input (measured 2026-12-02: 110.6 dB on the cpu profile, 128.7 dB
+# on gfx942; output and the weight gradients bitwise equal but gfx942's grad w3); and where that
+# order flips a bf16 rounding of the gradient that w3's weight gradient casts along the tokens,
+# an FP8 rounding or a 128-token tile's scale moves with it (gfx942's grad w3: 217 of 524,288
+# elements, 76.4 dB). Bounds: 10 dB under the lowest grad_input, 6 dB (4x the error) under the
+# weight gradient's: a padding row inside a tile's amax or groups off their rows are FP8 noise,
+# about 30 dB.
 PADDED_BLOCKWISE_MIN_DB = 100.0
+PADDED_BLOCKWISE_WEIGHT_GRAD_MIN_DB = 70.0
 
-# Unaligned groups, empty groups (first, middle, last): what TorchTitan's router hands experts.
-TOKENS_PER_EXPERT = [0, 5, 17, 0, 3, 9, 13, 0]
+# Unaligned groups, empty groups (first, middle, last): what TorchTitan's router hands experts;
+# and those of an EP rank whose experts receive no token.
+TOKENS_PER_EXPERT = {"routed": [0, 5, 17, 0, 3, 9, 13, 0], "no token": [0] * 8}
 
 
 def converted_module(model_name: str, fqn: str, backend: str, device: str, recipe: str):
@@ -81,18 +89,20 @@ def reference_experts(x, w1, w2, w3, offs, **op):
     return grouped_mm(h, w2).type_as(x)
 
 
+@pytest.mark.parametrize("tokens", TOKENS_PER_EXPERT)
 @pytest.mark.parametrize("pad_token_groups", [False, True], ids=["ragged", "padded"])
 @pytest.mark.parametrize("backend, device, recipe", CASES)
-def test_fp8_experts_match_the_shared_op(backend, device, recipe, pad_token_groups):
+def test_fp8_experts_match_the_shared_op(backend, device, recipe, pad_token_groups, tokens):
     """Ragged groups, as routed for the emulation and Primus-Turbo; padded to 16, as routed for
     TorchAO (forced here, since TorchAO's grouped GEMM has no CPU kernel): padding is exact (bitwise
-    but for blockwise: PADDED_BLOCKWISE_MIN_DB)."""
+    but for blockwise: PADDED_BLOCKWISE_MIN_DB and PADDED_BLOCKWISE_WEIGHT_GRAD_MIN_DB). Experts
+    that receive no token: an empty output and zero weight gradients, as the shared op's."""
     experts = converted_module("deepseek_v3", "layers.1.moe.experts", backend, device, recipe)
     assert isinstance(experts, Fp8GroupedExperts)
     if pad_token_groups:
         experts.pad_token_groups = True
         moe_utils.set_token_group_alignment_size_m(16)
-    counts = torch.tensor(TOKENS_PER_EXPERT)
+    counts = torch.tensor(TOKENS_PER_EXPERT[tokens])
     x = torch.randn(int(counts.sum()), experts.w1.shape[2])
 
     x1 = leaf(x)
@@ -105,13 +115,16 @@ def test_fp8_experts_match_the_shared_op(backend, device, recipe, pad_token_grou
     ref = reference_experts(x2, w1, w2, w3, offs, recipe=recipe, backend=backend, device=device)
     ref.backward(grad_out)
 
-    def check(expected, actual, what):
-        if pad_token_groups and recipe == "blockwise":
-            assert_sqnr_at_least(expected, actual, PADDED_BLOCKWISE_MIN_DB, what)
+    def check(expected, actual, what, min_db=PADDED_BLOCKWISE_MIN_DB):
+        if pad_token_groups and recipe == "blockwise" and tokens == "routed":
+            assert_sqnr_at_least(expected, actual, min_db, what)
         else:
             assert_bitwise(expected, actual, what)
 
     check(ref, out, "output")
     check(x2.grad, x1.grad, "grad_input")
     for name, w in (("w1", w1), ("w2", w2), ("w3", w3)):
-        check(w.grad, getattr(experts, name).grad, f"grad {name}")
+        grad = getattr(experts, name).grad
+        check(w.grad, grad, f"grad {name}", PADDED_BLOCKWISE_WEIGHT_GRAD_MIN_DB)
+        if tokens == "no token":
+            assert torch.equal(grad, torch.zeros_like(grad)), name
