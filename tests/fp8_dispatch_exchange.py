@@ -19,7 +19,6 @@ Prints one ``RESULT {json}`` line on rank 0: a list of every rank's checks."""
 
 import contextlib
 import functools
-import json
 import sys
 
 import torch
@@ -33,7 +32,7 @@ from torchtitan.distributed.activation_checkpoint import _get_default_save_ops
 from torchtitan.distributed.utils import set_spmd_backend
 from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, TorchAOTokenDispatcher
 
-import titan_helpers  # noqa: F401  (the CPU launcher's device patches)
+from titan_helpers import print_every_rank  # also the CPU launcher's device patches
 from titan_primus.cpu_trainer.world import exit_without_teardown
 
 import titan_primus as tp
@@ -174,7 +173,6 @@ def main(recipe_name: str, definition: str, arch: str, padded: bool, mode: str, 
     differs_from_bf16 = not torch.equal(fp8[0], bf16[0])
     weight_grads = fp8[3], bf16[3]
     summary = {
-        "rank": rank,
         "received_rows": fp8[0].shape[0],
         "recipe": recipe.describe(),
         "padded": padded,
@@ -192,10 +190,7 @@ def main(recipe_name: str, definition: str, arch: str, padded: bool, mode: str, 
         "forward_all_to_all": {k: v[4] for k, v in results.items()},
         "backward_all_to_all": {k: v[5] for k, v in results.items()},
     }
-    every_rank = [None] * dist.get_world_size()
-    dist.all_gather_object(every_rank, json.loads(json.dumps(summary, default=str)))
-    if rank == 0:
-        print("RESULT " + json.dumps(every_rank), flush=True)
+    print_every_rank(summary)
     dist.barrier()
     exit_without_teardown(0)  # see titan_primus/cpu_trainer/world.py: gloo processes can abort in interpreter teardown
 

@@ -2,9 +2,10 @@
 for a few steps under FSDP2 (bf16 parameters, fp32 reduction, as TorchTitan sets it) twice from
 the same initialisation, the weights of its FP8 linears and MoE experts all-gathered in bf16 and
 then in FP8 where the converter (enable_fsdp_float8_all_gather) gathers them so (the recipe
-allows it, the weight is not tied to another module). Prints whether losses, gradients and updated
-weights are bitwise equal, and the bytes all-gathered per step, counted at the collective (all
-of it) and at the FP8 hooks (the FP8 weights' payload).
+allows it, the weight is not tied to another module). Prints one ``RESULT`` line, each rank's
+figures: whether losses, gradients and updated weights are bitwise equal, and the bytes
+all-gathered per step, counted at the collective (all of it) and at the FP8 hooks (the FP8
+weights' payload).
 
 Usage: fsdp_fp8_all_gather.py MODEL RECIPE DEVICE_PROFILE BACKEND STEPS [OPTIONS...]
 OPTIONS: ``experts_shard1`` (FSDP2 shards expert weights on dim 1, as TorchTitan does when the FSDP
@@ -21,7 +22,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from titan_helpers import build, model_config, print_line
+from titan_helpers import build, model_config, print_every_rank
 
 from titan_primus.cpu_trainer.world import exit_without_teardown
 
@@ -149,9 +150,12 @@ for fp8_all_gather in (False, True):
         )
         for kind in ("linears", "experts")
     }
-    if getattr(model.config, "enable_weight_tying", False):
-        tied = model.tok_embeddings.weight is model.lm_head.weight
-        print_line(f"rank {dist.get_rank()} weights tied after {steps} steps (FP8 all-gather {fp8_all_gather}): {tied}")
+    # reported, as fp8_gathered, for the last run (FP8 all-gather); None where no weight is tied
+    tied = (
+        model.tok_embeddings.weight is model.lm_head.weight
+        if getattr(model.config, "enable_weight_tying", False)
+        else None
+    )
 
 (l0, g0, b0, s0), (l1, g1, b1, s1) = runs[False], runs[True]
 assert all(type(v) is torch.Tensor for v in s1.values()), "state dict must hold plain tensors"
@@ -162,15 +166,18 @@ weights_equal = all(torch.equal(s0[k], s1[k]) for k in s0)
 off, on = b0[-1]["collective"], b1[-1]["collective"]
 fp8_payload = b1[-1]["fp8_hooks"]
 bf16_payload = off - (on - fp8_payload)  # the same weights' bytes when gathered in bf16
-if dist.get_rank() == 0:
-    print(f"losses {[round(float(v), 6) for v in l1]}")
-    print(f"amax all-reduces per step (FP8 all-gather): {[b['amax_all_reduces'] for b in b1]}")
-    print(f"gc.collect calls per step (FP8 all-gather): {[b['gc_collects'] for b in b1]}")
-    print(f"bitwise equal: loss {loss_equal} grads {grads_equal} weights {weights_equal}")
-    print(f"FP8-gathered weights: linears {fp8_gathered['linears']} expert weights {fp8_gathered['experts']}")
-    print(
-        f"all-gathered bytes per step: bf16 {off} fp8 {on} ratio {on / off:.4f}; "
-        f"FP8 weights: bf16 {bf16_payload} fp8 {fp8_payload} ratio {fp8_payload / bf16_payload:.4f}"
-    )
+print_every_rank(
+    {
+        "losses": [round(float(v), 6) for v in l1],
+        "amax_all_reduces_per_step": [b["amax_all_reduces"] for b in b1],
+        "gc_collects_per_step": [b["gc_collects"] for b in b1],
+        "bitwise_equal": {"loss": loss_equal, "grads": grads_equal, "weights": weights_equal},
+        "fp8_gathered_weights": fp8_gathered,
+        "weights_tied": tied,
+        # all of each step's all-gathers, and the FP8 weights' alone, gathered in bf16 and in FP8
+        "all_gathered_bytes": {"bf16": off, "fp8": on},
+        "fp8_weight_bytes": {"bf16": bf16_payload, "fp8": fp8_payload},
+    }
+)
 dist.barrier()
 exit_without_teardown(0)  # see titan_primus/cpu_trainer/world.py: gloo processes can abort in interpreter teardown

@@ -2,10 +2,11 @@
 FSDP2 (bf16 parameters, fp32 reduction, as TorchTitan sets it) with FP8 all-gather off and on,
 for each backend that runs here: the llama3 debug model, tensorwise, one step of two
 microbatches accumulated, the same two as one big batch, and the first microbatch alone (what
-Primus PR #1046's bug left). Prints per backend whether the accumulated gradients are bitwise
-equal with FP8 all-gather on and off, and the smallest SQNR over parameters of the accumulated
-and of the first-only gradients against the big batch's; and, as the baseline, of the big
-batch's FP8 gradients against the model's without the converter (bf16 GEMMs).
+Primus PR #1046's bug left). Prints one ``RESULT`` line, each rank's figures per backend: whether
+the accumulated gradients are bitwise equal with FP8 all-gather on and off, and the smallest SQNR
+over parameters of the accumulated and of the first-only gradients against the big batch's; and,
+as the baseline, of the big batch's FP8 gradients against the model's without the converter
+(bf16 GEMMs).
 """
 
 import logging
@@ -14,7 +15,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from titan_helpers import build, model_config
+from titan_helpers import build, model_config, print_every_rank
 
 from titan_primus.cpu_trainer.world import exit_without_teardown
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -57,6 +58,7 @@ if os.environ.get("TITAN_PRIMUS_TURBO_BUILD"):  # Primus-Turbo's own code (tests
     assert why_not is None, why_not
     tp.registry.refresh()
     BACKENDS = (("primus_turbo", os.environ.get("TITAN_PRIMUS_TURBO_ARCH", "gfx942")),)
+results = {}
 for backend, device in BACKENDS:
     config = (
         Float8Converter.Config(device=device, recipe="tensorwise", backend=backend)
@@ -67,14 +69,13 @@ for backend, device in BACKENDS:
     on, gathered = gradients(config, True, microbatches, 0.5)
     big, _ = gradients(config, False, [torch.cat(microbatches)], 1.0)
     first, _ = gradients(config, False, microbatches[:1], 0.5)
-    equal = all(torch.equal(a, b) for a, b in zip(off, on))
-    vs_big = min(sqnr(b, a) for a, b in zip(on, big))
-    dropped = min(sqnr(b, f) for f, b in zip(first, big))
-    baseline = min(sqnr(h, b) for h, b in zip(high_precision, big))
-    if dist.get_rank() == 0:
-        print(
-            f"{backend}: FP8-gathered weights {gathered}, on == off bitwise: {equal}, "
-            f"vs big batch {vs_big:.1f} dB, dropped microbatch {dropped:.1f} dB, big batch vs bf16 {baseline:.1f} dB"
-        )
+    results[backend] = {
+        "fp8_gathered_weights": gathered,
+        "on_equals_off_bitwise": all(torch.equal(a, b) for a, b in zip(off, on)),
+        "vs_big_batch_db": min(sqnr(b, a) for a, b in zip(on, big)),
+        "dropped_microbatch_db": min(sqnr(b, f) for f, b in zip(first, big)),
+        "big_batch_vs_bf16_db": min(sqnr(h, b) for h, b in zip(high_precision, big)),
+    }
+print_every_rank(results)
 dist.barrier()
 exit_without_teardown(0)  # see titan_primus/cpu_trainer/world.py: gloo processes can abort in interpreter teardown

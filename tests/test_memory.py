@@ -111,9 +111,18 @@ FSDP_CASES = [
     ("llama3", "tensorwise", "cpu", "torchao", ("fp8_all_gather",)),
 ]
 KEPT = re.compile(
-    r"kept after the forward, per rank: weight copies (\d+) B, FP8 activations (\d+) B, "
+    r"rank (\d+) kept after the forward, per rank: weight copies (\d+) B, FP8 activations (\d+) B, "
     r"other activations (\d+) B, parameters and buffers (\d+) B; weights resharded: (True|False)"
 )
+
+
+def kept_per_rank(out: str) -> dict[int, tuple[int, int, int, int, bool]]:
+    """memory_fsdp.py's line of each rank: weight copies, FP8 activations, other activations,
+    parameters and buffers (bytes), and whether the blocks' weights are resharded; both ranks
+    must have reported."""
+    kept = {int(rank): (*map(int, sizes), resharded == "True") for rank, *sizes, resharded in KEPT.findall(out)}
+    assert sorted(kept) == [0, 1], out
+    return kept
 
 
 @pytest.mark.multiprocess
@@ -125,8 +134,7 @@ def test_memory_fsdp(model, recipe, device, backend, options):
     after each block's forward, or the root's, kept unsharded). Measured (2026-12-01, rank 0):
     see the script's output in docs/measurements.md."""
     out = torchrun_script("memory_fsdp.py", model, recipe, device, backend, *options)
-    copies, fp8, hp, params, resharded = KEPT.search(out).groups()
-    assert resharded == "True", out
-    assert int(copies) == 0, out
-    if backend == "primus_turbo":
-        assert int(fp8) > 0, out  # its backward multiplies FP8 activations, kept as FP8
+    for copies, fp8, _, _, resharded in kept_per_rank(out).values():
+        assert resharded and copies == 0, out
+        if backend == "primus_turbo":
+            assert fp8 > 0, out  # its backward multiplies FP8 activations, kept as FP8

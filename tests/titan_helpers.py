@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from repo_root import ROOT
 
@@ -35,6 +36,16 @@ def print_line(text: str) -> None:
     lines can interleave ("...: Truerank 1 ...")."""
     sys.stdout.write(text + "\n")
     sys.stdout.flush()
+
+
+def print_every_rank(summary: dict) -> None:
+    """Every rank's ``summary`` (its figures, JSON-able) gathered to rank 0, which prints them as one
+    ``RESULT [...]`` line in rank order, each with its ``rank``: the test asserts each rank's, so a
+    wrong result on any rank fails it (test_distributed.every_rank reads the line)."""
+    every_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(every_rank, {"rank": dist.get_rank(), **summary})
+    if dist.get_rank() == 0:
+        print_line("RESULT " + json.dumps(every_rank, default=str))
 
 
 def model_config(model: str, flavor: str = "debugmodel", converters=None):

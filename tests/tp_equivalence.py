@@ -1,7 +1,8 @@
 """Run by test_distributed.py under torchrun (2 ranks, gloo): the emulated FP8 linear on
 tensor-parallel shards, told what is sharded, computes exactly the single-device result: every
 amax over a split dimension is reduced across the group. Without that (shards=None) tensorwise
-and some rowwise scales would come from one shard and the results would differ."""
+and some rowwise scales would come from one shard and the results would differ. Prints one
+``RESULT`` line: each rank's smallest SQNR against one device, with shards and without."""
 
 import sys
 
@@ -11,6 +12,7 @@ import torch.distributed as dist
 import titan_primus as tp
 from titan_primus.backends.base import TensorParallelShards
 from titan_primus.metrics import sqnr
+from titan_helpers import print_every_rank
 
 from titan_primus.cpu_trainer.world import exit_without_teardown  # noqa: E402
 
@@ -58,7 +60,6 @@ def layouts(shards_col, shards_row):
 
 aware = layouts(TensorParallelShards(group, None, 0, 1), TensorParallelShards(group, 1, 1, None))
 unaware = layouts(None, None)
-if rank == 0:
-    print(f"tp {recipe_name} {device}: with shards {aware:.1f} dB, without {unaware:.1f} dB")
+print_every_rank({"recipe": recipe_name, "device": device, "with_shards_db": aware, "without_db": unaware})
 dist.barrier()
 exit_without_teardown(0)  # see titan_primus/cpu_trainer/world.py: gloo processes can abort in interpreter teardown

@@ -10,7 +10,7 @@ GEMMs), dispatch -> experts -> combine -> backward, for each token-group alignme
   whole process) run exactly as under ExpertParallel: the same results and all-to-alls.
 
 Arguments: cases ``recipe,device profile,token-group alignment``. Prints one ``RESULT {json}``
-line per case on rank 0."""
+line per case on rank 0: a list of every rank's checks."""
 
 import json
 import sys
@@ -132,9 +132,10 @@ def run_case(mesh, recipe_name: str, arch: str, alignment: int) -> None:
         "forward_sent": {k: v[1] for k, v in results.items()},
         "backward_sent": {k: v[2] for k, v in results.items()},
     }
-    dist.barrier()
+    every_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(every_rank, {"rank": rank, **summary})
     if rank == 0:
-        print("RESULT " + json.dumps(summary), flush=True)
+        print("RESULT " + json.dumps(every_rank), flush=True)
 
 
 if __name__ == "__main__":
