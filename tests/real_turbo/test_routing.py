@@ -125,7 +125,8 @@ def test_parity_command_checks_primus_turbo_against_the_emulation(tmp_path, monk
     kernels take (the --quick set's are smaller)."""
     import json
 
-    from titan_primus.cli import main, parity
+    from titan_primus.cli import main
+    from titan_primus.cli.parity import command as parity
 
     monkeypatch.setattr(
         parity,
