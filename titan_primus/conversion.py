@@ -13,6 +13,7 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
+from .attention.route import AttentionRoute, AttentionSite, route_attention
 from .backends.base import Op, Verdict
 from .device import DeviceProfile, device_profile, resolve_device
 from .fsdp_fp8 import fp8_all_gather_plan
@@ -150,6 +151,15 @@ class ConversionOptions:
     The experts then receive that FP8 copy: forward unchanged, the w1/w3 weight gradient cast
     from the copy (docs/token-dispatch.md). Elsewhere the tokens travel as without the option,
     with the reason in the routing report."""
+    attention: bool = False
+    """Run attention layers on Primus-Turbo's bf16 flash attention on MI300-class GPUs, masks kept
+    (document masking through cu_seqlens, sliding windows, the model's softmax scale); elsewhere
+    they stay TorchTitan's own. Off by default until it has run on an MI300 (docs/attention.md)."""
+    fp8_attention: bool = False
+    """Run attention in FP8 (Primus-Turbo's blockwise-64 kernel; its exact emulation on CPUs) on
+    the layers whose attention its definition can compute: plain causal or full, no window or
+    dropout, sequence lengths a multiple of 64. Every other layer is refused with the reason in
+    the routing report (and keeps bf16 Primus-Turbo attention with ``attention`` on)."""
     sentinel_interval: int = 0
     """Numerics sentinel (docs/sentinel.md): every this many steps, re-compute one converted layer
     (round robin) with the exact emulation of its recipe and compare; while on, every converted
@@ -171,6 +181,8 @@ class ConversionOptions:
             "strict",
             "enable_fsdp_float8_all_gather",
             "fp8_dispatch",
+            "attention",
+            "fp8_attention",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"FP8 option {name!r} must be true or false, got {getattr(self, name)!r}")
@@ -225,6 +237,8 @@ class ConversionReport:
     tied: dict[str, str] = field(default_factory=dict)
     """FP8 layers whose weight FSDP2 gathers in high precision although their op's weights go in
     FP8, because another module shares it: fqn -> reason."""
+    attention: list[AttentionRoute] = field(default_factory=list)
+    """Every attention layer, with the ``attention`` or ``fp8_attention`` option on."""
 
     def converted(self, kind: str | None = None) -> list[LayerRoute]:
         return [r for r in self.layers if r.backend and kind in (None, r.kind)]
@@ -251,6 +265,7 @@ class ConversionReport:
             },
             "layers": [asdict(route) for route in self.layers],
             "token_dispatch": {fqn: {"fp8": bool(v), "reason": v.reason} for fqn, v in self.token_dispatch.items()},
+            "attention": {r.fqn: {"backend": r.backend, "fp8": r.fp8, "reason": r.reason} for r in self.attention},
         }
 
     def summary(self) -> str:
@@ -270,8 +285,7 @@ class ConversionReport:
             for route in self.skipped(kind):
                 by_reason[route.reason].append(route.fqn)
             for reason, fqns in by_reason.items():
-                shown = ", ".join(fqns[:4]) + (f", ... ({len(fqns)} in all)" if len(fqns) > 4 else "")
-                lines.append(f"  {label} kept in high precision: {shown}: {reason}")
+                lines.append(f"  {label} kept in high precision: {_listed(fqns)}: {reason}")
             if op in self.fp8_all_gather and self.converted(kind):
                 verdict = self.fp8_all_gather[op]
                 how = "FP8 payload + scales" if verdict else "bf16"
@@ -282,7 +296,14 @@ class ConversionReport:
                     if any(r.fqn == fqn for r in self.converted(kind))
                 ]
         lines += self._token_dispatch_lines()
+        lines += self._attention_lines()
         return "\n".join(lines)
+
+    def _attention_lines(self) -> list[str]:
+        by_route: dict[str, list[str]] = defaultdict(list)
+        for route in self.attention:
+            by_route[route.describe()].append(route.fqn)
+        return [f"  attention: {_listed(fqns)} -> {how}" for how, fqns in by_route.items()]
 
     def _token_dispatch_lines(self) -> list[str]:
         by_verdict: dict[tuple[bool, str], list[str]] = defaultdict(list)
@@ -291,9 +312,12 @@ class ConversionReport:
         lines = []
         for (fp8, reason), fqns in by_verdict.items():
             how = "FP8 payload + scales" if fp8 else "the activations' dtype"
-            shown = ", ".join(fqns[:4]) + (f", ... ({len(fqns)} in all)" if len(fqns) > 4 else "")
-            lines.append(f"  grouped experts: EP token dispatch in {how}: {shown}: {reason}")
+            lines.append(f"  grouped experts: EP token dispatch in {how}: {_listed(fqns)}: {reason}")
         return lines
+
+
+def _listed(fqns: list[str]) -> str:
+    return ", ".join(fqns[:4]) + (f", ... ({len(fqns)} in all)" if len(fqns) > 4 else "")
 
 
 class LayerRouter:
@@ -376,6 +400,20 @@ class LayerRouter:
             f"FP8 copy); combine and gradients in the activations' dtype"
         )
         return True
+
+    def attention(self, fqn: str, site: AttentionSite) -> AttentionRoute | None:
+        """The route of the attention layer at ``fqn``, recorded in the report; None with both
+        attention options off (nothing recorded: the layer is not the converter's concern)."""
+        opts = self.options
+        if not (opts.attention or opts.fp8_attention):
+            return None
+        route = route_attention(
+            fqn, site, device=self.device, backend=opts.backend, bf16=opts.attention, fp8=opts.fp8_attention
+        )
+        if opts.strict and opts.attention and route.backend is None and self.device.mi300_class:
+            raise BackendUnavailableError(f"strict=True: attention at {fqn} cannot run on Primus-Turbo: {route.reason}")
+        self.report.attention.append(route)
+        return route
 
     def _record(self, fqn, kind, decision: RoutingDecision, kept: tuple[KeptBecause, str] | None):
         if kept:

@@ -15,7 +15,8 @@ ops and picks its FP8 formats once, at import. What is supplied, and why:
   inert stub. FlyDSL kernels are gfx950-only and never a default on the FP8 GEMM paths;
 - ``torch.library.custom_op(..., device_types="cuda")``: "cpu" added, so Primus-Turbo's
   low-level ops run on CPU tensors;
-- Triton's interpreter, patched (interpreter.py).
+- Triton's interpreter, patched (interpreter.py);
+- AITER's flash-attention kernels, which Primus-Turbo's bf16 attention calls (aiter_stand_in.py).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from pathlib import Path
 import torch
 from repo_root import ROOT
 
-from . import interpreter, stand_ins
+from . import aiter_stand_in, interpreter, stand_ins
 
 ARCHS = {"gfx942": (9, 4, "AMD Instinct MI300X"), "gfx950": (9, 5, "AMD Instinct MI355X")}
 COMPUTE_UNITS = 8  # keeps the persistent grids (one program per CU) small under the interpreter
@@ -159,6 +160,7 @@ def load(source: Path, arch: str):
     sys.meta_path.insert(0, _InertFinder("flydsl"))
     _custom_ops_on_cpu()
     stand_ins.register(source.name)
+    aiter_stand_in.install()
     sys.path.insert(0, str(source))
     import primus_turbo
     import primus_turbo.pytorch as turbo

@@ -17,6 +17,7 @@ from torchtitan.models.common.moe import GroupedExperts
 from ..recipes import with_fp8_dispatch
 from ..conversion import ConversionOptions, LayerRouter, group_alignment, keep_fp8_cast_rounding_under_inductor
 from ..sentinel import COMPILE_UNSUPPORTED, SentinelLayer, drive_trainer
+from .attention import convert_attention
 from .modules import Fp8Linear, fp8_experts_class, is_fp8_config
 from .token_dispatch import fp8_dispatcher_config
 
@@ -104,7 +105,7 @@ class Float8Converter(QuantizationConverter):
     whichever is best on the device, decided once at conversion time. The fields are
     :class:`titan_primus.conversion.ConversionOptions` (backend, recipe, linears,
     grouped_experts, filter_fqns, auto_filter_small_kn, strict, device,
-    enable_fsdp_float8_all_gather)."""
+    enable_fsdp_float8_all_gather, fp8_dispatch, attention, fp8_attention, the sentinel's)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(QuantizationConverter.Config, ConversionOptions):
@@ -142,6 +143,7 @@ class Float8Converter(QuantizationConverter):
             model_config = self._convert_linears(model_config)
         if self.config.grouped_experts:
             model_config = self._convert_experts(model_config)
+        model_config = convert_attention(model_config, self.router, _replace)
         logger.info(self.report.summary())
         return model_config
 

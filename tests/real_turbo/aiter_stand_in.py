@@ -1,0 +1,222 @@
+"""A stand-in for AITER's flash-attention kernels (``aiter.ops.mha``), the only part of Primus-Turbo's
+bf16 attention that cannot run here: they are CK/ASM kernels for ROCm GPUs, pinned by
+Primus-Turbo to ``amd-aiter==0.1.14.post1``, which is on no registry. Everything above them
+(Primus-Turbo's ``flash_attn_func`` / ``flash_attn_varlen_func``, its autograd Functions, its
+``primus_turbo::attention_aiter_*`` custom ops and their fakes, its head-dim padding) is
+Primus-Turbo's own code.
+
+Written from the semantics those kernels implement, flash-attention's (the docstring of
+``flash_attn_varlen_func`` in Primus-Turbo's ``ops/attention/flash_attn_interface.py``; the call
+sites in ``kernels/attention/attention_aiter_impl.py`` give the argument lists, identical at
+v0.3.1, v0.3.2.dev48, v0.4.0 and v0.4.1.dev26):
+
+- query i of a sequence of Sq queries over Sk keys may attend key j iff, with the bottom-right
+  offset ``o = Sk - Sq``: ``j <= i + o`` when causal; ``j >= i + o - left`` when ``left >= 0``;
+  ``j <= i + o + right`` when ``right >= 0`` (``window_size = (left, right)``);
+- varlen: tokens are packed (THD); sequence b is ``cu_seqlens[b]:cu_seqlens[b+1]``, and no
+  token attends across sequences;
+- GQA: query head h reads key/value head ``h // (Hq // Hkv)``;
+- the softmax in fp32 of ``scale · q·kᵀ``, its output rounded to q's dtype once; the LSE is
+  fp32, (B, Hq, Sq) dense and (Hq, total) varlen; gradients computed in fp32 and rounded once,
+  written into the ``dq``/``dk``/``dv`` buffers (the forward writes ``out=`` where given).
+
+Dropout, bias, ALiBi and sinks are refused (nothing titan-primus routes uses them). The numbers
+differ from AITER's in rounding only (its fp32 accumulation order): the bound the tests take
+from this stand-in is that of two correct fp32-accumulating implementations.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import torch
+
+from .stand_ins import StandInError
+
+__all__ = ["install"]
+
+
+def _refuse(what: str, value) -> None:
+    if value:
+        raise StandInError(f"AITER stand-in: {what} is not stood in (got {value!r})")
+
+
+def _allowed(sq: int, sk: int, causal: bool, left: int, right: int, device) -> torch.Tensor:
+    i = torch.arange(sq, device=device)[:, None] + (sk - sq)
+    j = torch.arange(sk, device=device)[None, :]
+    ok = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    if causal:
+        ok &= j <= i
+    if left >= 0:
+        ok &= j >= i - left
+    if right >= 0:
+        ok &= j <= i + right
+    return ok
+
+
+def _probabilities(q, k, allowed, scale):
+    """q (H, Sq, D), k (Hkv, Sk, D) fp32 -> softmax probabilities (H, Sq, Sk) and LSE (H, Sq)."""
+    k = k.repeat_interleave(q.shape[0] // k.shape[0], 0)
+    s = ((q @ k.transpose(-1, -2)) * scale).masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.exp(s - lse[..., None]).nan_to_num(0.0), lse
+
+
+def _heads_first(t, start, end):
+    return t[start:end].float().transpose(0, 1)
+
+
+def _forward_thd(q, k, v, segments, scale, causal, left, right):
+    """THD q (T, H, D): out (T, H, Dv) fp32 and lse (H, T) fp32, sequence by sequence."""
+    out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=torch.float32)
+    lse = q.new_full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32)
+    for (q0, q1), (k0, k1) in segments:
+        allowed = _allowed(q1 - q0, k1 - k0, causal, left, right, q.device)
+        p, lse[:, q0:q1] = _probabilities(_heads_first(q, q0, q1), _heads_first(k, k0, k1), allowed, scale)
+        vh = _heads_first(v, k0, k1)
+        out[q0:q1] = (p @ vh.repeat_interleave(q.shape[1] // v.shape[1], 0)).transpose(0, 1)
+    return out, lse
+
+
+def _per_kv_head(grad, group):
+    """(H, Sk, D) per query head -> (Sk, Hkv, D), summed over each key/value head's group."""
+    return grad.unflatten(0, (-1, group)).sum(1).transpose(0, 1)
+
+
+def _backward_thd(dout, q, k, v, segments, scale, causal, left, right):
+    """The softmax-attention gradients in fp32: dV = Pᵀ·dO, dS = P∘(dO·Vᵀ - rowsum(dO∘O)),
+    dQ = scale·dS·K, dK = scale·dSᵀ·Q, summed over each key/value head's query group."""
+    dq, dk, dv = (torch.zeros_like(t, dtype=torch.float32) for t in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    for (q0, q1), (k0, k1) in segments:
+        allowed = _allowed(q1 - q0, k1 - k0, causal, left, right, q.device)
+        qh, kh, vh, doh = (_heads_first(t, *r) for t, r in ((q, (q0, q1)), (k, (k0, k1)), (v, (k0, k1)), (dout, (q0, q1))))
+        p, _ = _probabilities(qh, kh, allowed, scale)
+        kg, vg = kh.repeat_interleave(group, 0), vh.repeat_interleave(group, 0)
+        o = p @ vg
+        ds = p * (doh @ vg.transpose(-1, -2) - (doh * o).sum(-1, keepdim=True))
+        dq[q0:q1] = (scale * ds @ kg).transpose(0, 1)
+        dk[k0:k1] = _per_kv_head(scale * ds.transpose(-1, -2) @ qh, group)
+        dv[k0:k1] = _per_kv_head(p.transpose(-1, -2) @ doh, group)
+    return dq, dk, dv
+
+
+def _segments(cu_q: torch.Tensor, cu_k: torch.Tensor):
+    bounds_q, bounds_k = cu_q.tolist(), cu_k.tolist()
+    return list(zip(zip(bounds_q[:-1], bounds_q[1:]), zip(bounds_k[:-1], bounds_k[1:])))
+
+
+def _dense_segments(q, k):
+    """(B, S, H, D) as THD, with one sequence per batch element."""
+    B, sq, sk = q.shape[0], q.shape[1], k.shape[1]
+    return [((b * sq, (b + 1) * sq), (b * sk, (b + 1) * sk)) for b in range(B)]
+
+
+def _thd(t):
+    return t.reshape(t.shape[0] * t.shape[1], *t.shape[2:])
+
+
+def _flash_attn_forward(
+    q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right, sink_size, bias, alibi_slopes,
+    q_descale, k_descale, v_descale, return_lse, return_softmax, out=None, **kwargs,
+):  # fmt: skip
+    _refuse("dropout", dropout_p)
+    _refuse("bias", bias is not None)
+    _refuse("alibi_slopes", alibi_slopes is not None)
+    _refuse("sink_size", sink_size)
+    B, S = q.shape[:2]
+    o, lse = _forward_thd(
+        _thd(q), _thd(k), _thd(v), _dense_segments(q, k), softmax_scale, causal, window_size_left, window_size_right
+    )
+    o = o.view(B, S, *o.shape[1:]).to(q.dtype)
+    if out is None:
+        out = o
+    else:
+        out.copy_(o)
+    lse = lse.view(lse.shape[0], B, S).transpose(0, 1).contiguous()
+    return out, lse, torch.empty(0, dtype=q.dtype), torch.zeros(2, dtype=torch.int64)
+
+
+def _flash_attn_backward(
+    dout, q, k, v, out, softmax_lse, dq, dk, dv, dbias, dropout_p, softmax_scale, causal, window_size_left,
+    window_size_right, bias, alibi_slopes, deterministic, rng_state, is_v3_atomic_fp32, how_v3_bf16_cvt, **kwargs,
+):  # fmt: skip
+    _refuse("dropout", dropout_p)
+    _refuse("bias", bias is not None)
+    grads = _backward_thd(
+        _thd(dout), _thd(q), _thd(k), _thd(v), _dense_segments(q, k), softmax_scale, causal, window_size_left,
+        window_size_right,
+    )  # fmt: skip
+    for buffer, grad in zip((dq, dk, dv), grads):
+        buffer.copy_(grad.view(buffer.shape))
+    return dq, dk, dv, None
+
+
+def _flash_attn_varlen_forward(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, cu_seqlens_q_padded, cu_seqlens_k_padded, max_seqlen_q, max_seqlen_k,
+    min_seqlen_q, dropout_p, softmax_scale, *, causal, logits_soft_cap, window_size_left, window_size_right,
+    sink_size, bias, alibi_slopes, return_lse, return_softmax, out=None, **kwargs,
+):  # fmt: skip
+    _refuse("dropout", dropout_p)
+    _refuse("bias", bias is not None)
+    _refuse("alibi_slopes", alibi_slopes is not None)
+    _refuse("sink_size", sink_size)
+    _refuse("logits_soft_cap", logits_soft_cap)
+    _refuse("padded cu_seqlens", cu_seqlens_q_padded is not None or cu_seqlens_k_padded is not None)
+    o, lse = _forward_thd(
+        q, k, v, _segments(cu_seqlens_q, cu_seqlens_k), softmax_scale, causal, window_size_left, window_size_right
+    )
+    o = o.to(q.dtype)
+    if out is not None:
+        out.copy_(o)
+        o = out
+    return o, lse, torch.empty(0, dtype=q.dtype), torch.zeros(2, dtype=torch.int64)
+
+
+def _flash_attn_varlen_backward(
+    dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+    softmax_scale, causal, window_size_left, window_size_right, alibi_slopes, deterministic, **kwargs,
+):  # fmt: skip
+    _refuse("dropout", dropout_p)
+    _refuse("alibi_slopes", alibi_slopes is not None)
+    grads = _backward_thd(
+        dout, q, k, v, _segments(cu_seqlens_q, cu_seqlens_k), softmax_scale, causal, window_size_left, window_size_right
+    )
+    for buffer, grad in zip((dq, dk, dv), grads):
+        buffer.copy_(grad)
+    return dq, dk, dv, None
+
+
+def _no_sink_kernels(*args, **kwargs):
+    raise StandInError("AITER stand-in: the Triton sink kernels (aiter.ops.triton.attention) are not stood in")
+
+
+def install() -> None:
+    """Put ``aiter.ops.mha`` (and the Triton sink modules Primus-Turbo imports beside it) in
+    ``sys.modules``: Primus-Turbo imports them lazily, on its first attention call."""
+    modules = {
+        name: types.ModuleType(name)
+        for name in (
+            "aiter",
+            "aiter.ops",
+            "aiter.ops.mha",
+            "aiter.ops.triton",
+            "aiter.ops.triton.attention",
+            "aiter.ops.triton.attention.mha",
+            "aiter.ops.triton.attention.mha_onekernel_bwd",
+        )
+    }
+    for name, module in modules.items():
+        module.__path__ = []
+        parent, _, child = name.rpartition(".")
+        if parent:
+            setattr(modules[parent], child, module)
+    mha = modules["aiter.ops.mha"]
+    mha._flash_attn_forward = _flash_attn_forward
+    mha._flash_attn_backward = _flash_attn_backward
+    mha._flash_attn_varlen_forward = _flash_attn_varlen_forward
+    mha._flash_attn_varlen_backward = _flash_attn_varlen_backward
+    modules["aiter.ops.triton.attention.mha"]._flash_attn_forward = _no_sink_kernels
+    modules["aiter.ops.triton.attention.mha_onekernel_bwd"].flash_attn_onekernel_backward = _no_sink_kernels
+    sys.modules.update(modules)

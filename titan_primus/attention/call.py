@@ -1,0 +1,96 @@
+"""The attention call of a routed layer: bshd (B, L, H, D) tensors in, bshd out, whatever the
+backend. What it runs was decided at conversion (:class:`~.route.AttentionRoute`); nothing here
+looks at the device."""
+
+from __future__ import annotations
+
+import importlib
+from typing import NamedTuple
+
+import torch
+
+from .route import FP8_ATTENTION_BLOCK, AttentionRoute
+
+__all__ = ["Documents", "attend"]
+
+
+class Documents(NamedTuple):
+    """Packed documents (TorchTitan's VarlenMetadata): int32 cumulative offsets over the B·L
+    tokens, and the longest document."""
+
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+def _turbo_ops():
+    return importlib.import_module("primus_turbo.pytorch").ops
+
+
+def _bf16(t: torch.Tensor) -> torch.Tensor:
+    # Primus-Turbo's flash attention takes bf16/fp16 only (AITER's kernels); TorchTitan's own
+    # varlen path casts to bf16 the same way (models/common/attention.py).
+    return t.to(torch.bfloat16)
+
+
+def _check_fp8_length(q: torch.Tensor) -> None:
+    if q.shape[1] % FP8_ATTENTION_BLOCK:
+        raise ValueError(
+            f"titan-primus: FP8 attention needs a sequence length that is a multiple of {FP8_ATTENTION_BLOCK} "
+            f"(Primus-Turbo scales Q, K and V per {FP8_ATTENTION_BLOCK}-token block), got {q.shape[1]}: set "
+            f"training.seq_len to a multiple of {FP8_ATTENTION_BLOCK}, or turn fp8_attention off"
+        )
+
+
+def attend(
+    route: AttentionRoute,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float | None,
+    causal: bool,
+    window: tuple[int, int] = (-1, -1),
+    documents: Documents | None = None,
+) -> torch.Tensor:
+    """Attention of bshd ``q`` (B, L, Hq, D) over ``k``/``v`` (B, L, Hkv, D / Dv) on ``route``'s
+    backend, in ``q``'s dtype. ``scale``: the softmax scale (None: 1/sqrt(D));
+    ``window``: (left, right) in flash-attention's convention; ``documents``: document masking."""
+    if route.fp8:
+        _check_fp8_length(q)
+        if route.backend == "primus_turbo":
+            from ..backends.primus_turbo.attention_fp8 import fp8_attention
+
+            out = fp8_attention(_bf16(q), _bf16(k), _bf16(v), causal=causal, softmax_scale=scale)
+        else:
+            from ..backends.emulated_attention import fp8_attention
+
+            out = fp8_attention(
+                _bf16(q), _bf16(k), _bf16(v), causal=causal, softmax_scale=scale, fp8_dtype=route.fp8_dtype
+            )
+        return out.to(q.dtype)
+    if route.backend != "primus_turbo":
+        raise ValueError(f"titan-primus: {route.fqn} has no attention backend to call: {route.describe()}")
+    ops = _turbo_ops()
+    if documents is None:
+        out = ops.flash_attn_func(
+            _bf16(q).contiguous(),
+            _bf16(k).contiguous(),
+            _bf16(v).contiguous(),
+            softmax_scale=scale,
+            causal=causal,
+            window_size=window,
+        )
+        return out.to(q.dtype)
+    B, L = q.shape[:2]
+    out = ops.flash_attn_varlen_func(
+        _bf16(q).reshape(B * L, *q.shape[2:]),
+        _bf16(k).reshape(B * L, *k.shape[2:]),
+        _bf16(v).reshape(B * L, *v.shape[2:]),
+        *documents,
+        softmax_scale=scale,
+        causal=causal,
+        window_size=window,
+    )
+    return out.view(B, L, *out.shape[1:]).to(q.dtype)

@@ -1,0 +1,154 @@
+"""TorchTitan 0.3's inner attention on Primus-Turbo, masks kept.
+
+TorchTitan's seam is ``inner_attention`` (models/common/attention.py), and
+``Decoder.get_attention_masks`` chooses the masks by the first layer's inner-attention config
+type (BlockMask for FlexAttention, VarlenMetadata for VarlenAttention). So each replacement is a
+subclass of a TorchTitan config whose masks it consumes:
+
+- ``VarlenAttention.Config`` -> :class:`PrimusTurboVarlenAttention` (a subclass): the same
+  VarlenMetadata, its cu_seqlens handed to ``flash_attn_varlen_func``, its window kept;
+- ``FlexAttention.Config`` on a model whose masks are Decoder's own (causal + packed documents,
+  ``_create_flex_attention_mask_for_document``) -> :class:`PrimusTurboVarlenAttention` too: the
+  model then builds VarlenMetadata, the same mask as cu_seqlens (a BlockMask's mask_mod cannot be
+  read back into cu_seqlens). A model with masks of its own (gpt_oss's sliding windows and sinks,
+  qwen3_5) keeps FlexAttention, with the reason;
+- ``ScaledDotProductAttention.Config`` (causal or full, no masks) -> :class:`PrimusTurboSDPA`.
+
+Where the route says TorchTitan's own (another device, FP8 refused with ``attention`` off), the
+config is left as it is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention, VarlenAttention
+from torchtitan.models.common.decoder import Decoder
+
+from ..attention import AttentionRoute, AttentionSite, attend
+from ..attention.call import Documents
+
+__all__ = ["PrimusTurboSDPA", "PrimusTurboVarlenAttention", "convert_attention"]
+
+LSE_EPILOGUE = (
+    "an LSE epilogue (out_transform, e.g. attention sinks): Primus-Turbo's returned LSE carries no gradient "
+    "(its backward drops it), so the epilogue's gradients would be wrong"
+)
+
+
+def flash_window(window_size: tuple[int, int]) -> tuple[bool, tuple[int, int]]:
+    """TorchTitan's VarlenAttention window (left, right; (-1, 0) causal, (W, 0) causal sliding,
+    (-1, -1) full) as flash-attention's (causal, window_size): right 0 is causal, and a window
+    without a left bound is none."""
+    left, right = window_size
+    causal = right == 0
+    return causal, ((-1, -1) if left < 0 and (causal or right < 0) else (left, right))
+
+
+def _no_epilogue(fqn: str, out_transform) -> None:
+    if out_transform is not None:
+        raise ValueError(f"titan-primus: {fqn} was routed to Primus-Turbo, but its model passes {LSE_EPILOGUE}")
+
+
+class PrimusTurboVarlenAttention(VarlenAttention):
+    """TorchTitan's VarlenAttention on Primus-Turbo's ``flash_attn_varlen_func`` (bf16), or FP8
+    attention where the route says so (never with documents: :func:`fp8_attention_refusal`)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(VarlenAttention.Config):
+        attention_route: AttentionRoute = field(default=None)
+
+    def __init__(self, config: Config):
+        super().__init__(config)
+        self.route = config.attention_route
+        self.causal, self.flash_window = flash_window(config.window_size)
+
+    def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks, scale=None, out_transform=None, **kwargs):
+        _no_epilogue(self.route.fqn, out_transform)
+        documents = Documents(*attention_masks[:4])
+        return attend(
+            self.route,
+            q_BLNH,
+            k_BLNH,
+            v_BLNH,
+            scale=scale,
+            causal=self.causal,
+            window=self.flash_window,
+            documents=documents,
+        )
+
+
+class PrimusTurboSDPA(ScaledDotProductAttention):
+    """TorchTitan's ScaledDotProductAttention (causal or full, no masks) on Primus-Turbo's
+    ``flash_attn_func`` or FP8 attention."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(ScaledDotProductAttention.Config):
+        attention_route: AttentionRoute = field(default=None)
+
+    def __init__(self, config: Config):
+        super().__init__(config)
+        self.route = config.attention_route
+
+    def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks=None, scale=None, is_causal=True, **kwargs):
+        if attention_masks is not None:
+            raise ValueError("ScaledDotProductAttention does not support attention_masks (as TorchTitan's own)")
+        return attend(self.route, q_BLNH, k_BLNH, v_BLNH, scale=scale, causal=is_causal)
+
+
+def _head_dims(attention_config) -> tuple[int, int] | None:
+    """(query/key, value) head dims of an attention config: MLA's (deepseek_v3), else GQA's."""
+    if hasattr(attention_config, "qk_nope_head_dim"):
+        qk = attention_config.qk_nope_head_dim + attention_config.qk_rope_head_dim
+        return qk, attention_config.v_head_dim
+    head_dim = getattr(attention_config, "head_dim", None)
+    if head_dim is None and getattr(attention_config, "dim", None) and getattr(attention_config, "n_heads", None):
+        head_dim = attention_config.dim // attention_config.n_heads
+    return (head_dim, head_dim) if head_dim else None
+
+
+def _own_masks(model_config) -> str | None:
+    """Why a model's FlexAttention masks are not Decoder's causal + packed-document ones, if so."""
+    owner = getattr(type(model_config), "_owner", None)
+    masks = getattr(owner, "get_attention_masks", None)
+    if owner is None or masks is Decoder.get_attention_masks:
+        return None
+    return f"{owner.__name__} builds FlexAttention masks of its own (get_attention_masks), which cu_seqlens cannot express"
+
+
+def _with_route(config, new_cls, route: AttentionRoute, **fields_):
+    kept = {f: getattr(config, f) for f in ("window_size",) if hasattr(config, f)}
+    return new_cls(attention_route=route, **{**kept, **fields_})
+
+
+def convert_attention(model_config, router, replace) -> object:
+    """Route every inner attention of ``model_config`` (``router``: the converter's LayerRouter;
+    ``replace(model_config, parent, attr, new)`` puts a config in place). Returns the config."""
+    own_masks = _own_masks(model_config)
+    kinds = (
+        (PrimusTurboVarlenAttention.Config, VarlenAttention.Config, True),
+        (PrimusTurboSDPA.Config, ScaledDotProductAttention.Config, False),
+        (PrimusTurboVarlenAttention.Config, FlexAttention.Config, True),
+    )
+    for new_cls, cls, documents in kinds:
+        for fqn, config, parent, attr in list(model_config.traverse(cls)):
+            if isinstance(config, (PrimusTurboVarlenAttention.Config, PrimusTurboSDPA.Config)):
+                continue
+            window = getattr(config, "window_size", (-1, 0) if documents else (-1, -1))
+            causal, flash = flash_window(window) if documents else (True, (-1, -1))
+            unmappable = None
+            if cls is FlexAttention.Config:
+                unmappable = own_masks
+            site = AttentionSite(
+                causal=causal,
+                documents=documents,
+                window=flash,
+                head_dims=_head_dims(parent) if not isinstance(parent, list) else None,
+                unmappable=unmappable,
+            )
+            route = router.attention(fqn, site)
+            if route is None or route.backend is None:
+                continue
+            new = _with_route(config, new_cls, route, **({"window_size": (-1, 0)} if cls is FlexAttention.Config else {}))
+            model_config = replace(model_config, parent, attr, new)
+    return model_config
