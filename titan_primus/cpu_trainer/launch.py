@@ -36,6 +36,7 @@ one exists. Each is explained where it is made. Apart from the attention swap
 import dataclasses
 import importlib.util
 import inspect
+import os
 import sys
 from pathlib import Path
 
@@ -122,13 +123,48 @@ class TokenMajorCausalSDPA(ScaledDotProductAttention):
         return super().forward(q_TNH.unsqueeze(0), k_TNH.unsqueeze(0), v_TNH.unsqueeze(0), **kwargs).squeeze(0)
 
 
+class FlexMaskSDPA(FlexAttention):
+    """FlexAttention's masks, computed by SDPA on a CPU: the model still builds TorchTitan's
+    BlockMask (this is a FlexAttention config), and its ``mask_mod`` is evaluated token by token
+    into SDPA's boolean mask. Chosen with ``TITAN_PRIMUS_CPU_ATTENTION=flex-masks`` (the reference
+    of the attention route's tests: TorchTitan's own masks, document masking kept); quadratic in
+    memory, for debug models."""
+
+    @dataclasses.dataclass(kw_only=True, slots=True)
+    class Config(FlexAttention.Config):
+        pass
+
+    def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks, scale=None, enable_gqa=False, **kwargs):
+        import torch
+        from torch.nn.attention.flex_attention import create_mask
+
+        B, L = q_BLNH.shape[:2]
+        allowed = create_mask(attention_masks.mask_mod, B, None, L, k_BLNH.shape[1], device=q_BLNH.device)
+        q, k, v = (t.transpose(1, 2) for t in (q_BLNH, k_BLNH, v_BLNH))
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=allowed, scale=scale, enable_gqa=enable_gqa or q.shape[1] != k.shape[1]
+        )
+        return out.transpose(1, 2)
+
+
+CPU_ATTENTION = os.environ.get("TITAN_PRIMUS_CPU_ATTENTION", "causal")
+"""What replaces FlexAttention here: "causal" (SDPA, document masking lost: the default) or
+"flex-masks" (:class:`FlexMaskSDPA`, TorchTitan's own masks)."""
+
+
 def use_causal_sdpa(model_config) -> None:
+    if CPU_ATTENTION not in ("causal", "flex-masks"):
+        raise SystemExit(f"[cpu_launch] TITAN_PRIMUS_CPU_ATTENTION={CPU_ATTENTION!r}: choose causal or flex-masks")
     for fqn, attention, parent, attr in list(model_config.traverse(FlexAttention.Config)):
-        if isinstance(parent, list):
-            parent[attr] = flex_to_causal_sdpa(attention)
+        if CPU_ATTENTION == "flex-masks":
+            new, what = derive(attention, FlexMaskSDPA.Config), "SDPA on TorchTitan's FlexAttention masks"
         else:
-            setattr(parent, attr, flex_to_causal_sdpa(attention))
-        print(f"[cpu_launch] {fqn}: FlexAttention -> causal SDPA (no FlexAttention backward on CPU)")
+            new, what = flex_to_causal_sdpa(attention), "causal SDPA (no FlexAttention backward on CPU)"
+        if isinstance(parent, list):
+            parent[attr] = new
+        else:
+            setattr(parent, attr, new)
+        print(f"[cpu_launch] {fqn}: FlexAttention -> {what}")
 
 
 def use_local_corpus(dataloader_config, folder: str) -> None:
