@@ -24,6 +24,7 @@ from ..conversion import (
 from ..fsdp_fp8 import fp8_all_gather_plan, precompute_fp8_weight_amaxes
 from ..recipes import with_fp8_dispatch
 from ..sentinel import COMPILE_UNSUPPORTED, SentinelLayer, drive_trainer, watch
+from .attention import attention_swaps
 from .modules import Fp8GroupedExperts, Fp8Linear
 from .token_dispatch import install_fp8_expert_parallel
 
@@ -108,6 +109,8 @@ class Float8Converter:
             for fqn, module in modules:
                 if isinstance(module, GroupedExperts):
                     self._convert_experts(model, fqn, module)
+        for fqn, wrapper in attention_swaps(model, self.router):
+            _swap(model, fqn, wrapper)
         if self.report.converted() and self.model_name:
             save_fp8_gemms_under_selective_ac(self.model_name)
         logger.info(self.report.summary())
