@@ -22,7 +22,7 @@ from typing import Literal
 from torch.utils.checkpoint import CheckpointPolicy
 from torchtitan.distributed.activation_checkpoint import SelectiveAC
 
-from ..checkpointing import fp8_gemm_save_ops
+from ..checkpointing import attention_save_ops, fp8_gemm_save_ops
 
 __all__ = ["Fp8SelectiveAC", "with_fp8_gemms_saved"]
 
@@ -32,7 +32,8 @@ class Fp8SelectiveAC(SelectiveAC):
     FP8 GEMMs in the policy: each block's FP8 GEMMs alternate, the second, fourth, ... recomputed
     in backward, as TorchTitan's policy does for ``aten.mm`` (``fp8_gemms="alternate"``), or all
     saved (``"save"``: three FP8 GEMMs per op per step, 1.75x the linear outputs on Llama3-8B).
-    What each keeps: docs/memory.md."""
+    The attention routes' ops are saved, as TorchTitan saves its own attention's. What each
+    keeps: docs/memory.md."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(SelectiveAC.Config):
@@ -48,7 +49,7 @@ class Fp8SelectiveAC(SelectiveAC):
         super().__init__(config, dump_folder)
 
     def get_save_ops(self) -> set:
-        return set(super().get_save_ops()) | fp8_gemm_save_ops()
+        return set(super().get_save_ops()) | fp8_gemm_save_ops() | attention_save_ops()
 
     def _wrap_block(self, module, *, base_fqn: str | None = None):
         wrapped = super()._wrap_block(module, base_fqn=base_fqn)

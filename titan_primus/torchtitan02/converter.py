@@ -12,7 +12,7 @@ from torchtitan.models.moe.moe import GroupedExperts
 from torchtitan.models.moe.utils import set_token_group_alignment_size_m
 from torchtitan.protocols.train_spec import get_train_spec
 
-from ..checkpointing import fp8_gemm_save_ops
+from ..checkpointing import attention_save_ops, fp8_gemm_save_ops
 
 from ..conversion import (
     ConversionOptions,
@@ -111,7 +111,8 @@ class Float8Converter:
                     self._convert_experts(model, fqn, module)
         for fqn, wrapper in attention_swaps(model, self.router):
             _swap(model, fqn, wrapper)
-        if self.report.converted() and self.model_name:
+        routed_attention = any(route.backend for route in self.report.attention)
+        if (self.report.converted() or routed_attention) and self.model_name:
             save_fp8_gemms_under_selective_ac(self.model_name)
         logger.info(self.report.summary())
 
@@ -233,4 +234,4 @@ def save_fp8_gemms_under_selective_ac(model_name: str) -> None:
             model_name,
         )
         return
-    save_list.update(fp8_gemm_save_ops())
+    save_list.update(fp8_gemm_save_ops() | attention_save_ops())
