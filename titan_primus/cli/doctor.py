@@ -16,6 +16,7 @@ import torch
 
 from .. import __version__, registry
 from ..adapter_import import installed_version, unsupported_torchtitan
+from ..attention import AttentionSite, route_attention
 from ..backends.base import OPS
 from ..backends.primus_turbo.release import describe_build
 from ..device import DeviceProfile, detect_device, device_profile
@@ -152,6 +153,27 @@ def _fp8_dispatch(recipe) -> str:
     return f"in the activations' dtype: {refusal}" if refusal else "in FP8 (payload + scales of its activation cast)"
 
 
+# The attention layers TorchTitan's language models have, as the adapters read them (the head
+# dims of Llama3-8B's GQA; deepseek_v3's MLA is (192, 128)).
+ATTENTION_KINDS = {
+    "causal (0.2.x SDPA, 0.3 ScaledDotProductAttention)": AttentionSite(causal=True, head_dims=(128, 128)),
+    "document-causal (0.3 varlen / flex, 0.2.x varlen)": AttentionSite(documents=True, head_dims=(128, 128)),
+    "document-causal, sliding window 128 (0.3 varlen)": AttentionSite(documents=True, window=(127, 0)),
+    "flex with masks of the model's own (0.2.x flex, gpt_oss)": AttentionSite(
+        unmappable="a BlockMask cannot be read back into what Primus-Turbo takes"
+    ),
+}
+
+
+def _attention(profile: DeviceProfile) -> list[dict]:
+    """Each kind of attention layer with ``attention`` and ``fp8_attention`` on: its route."""
+    rows = []
+    for kind, site in ATTENTION_KINDS.items():
+        route = route_attention(kind, site, device=profile, backend="auto", bf16=True, fp8=True)
+        rows.append({"layer": kind, "backend": route.backend, "fp8": route.fp8, "reason": route.reason})
+    return rows
+
+
 def diagnose(device: str | None = None) -> dict:
     """Everything doctor reports, as data; ``device`` names a profile (default: detected)."""
     profile = resolve_profile(device)
@@ -168,6 +190,7 @@ def diagnose(device: str | None = None) -> dict:
         "primus_turbo_paths": turbo.execution_paths() if available else None,
         "backends": _backends(profile),
         "routing": _routing(profile),
+        "attention": _attention(profile),
     }
 
 
@@ -246,6 +269,20 @@ def render(diagnosis: dict) -> str:
         ]
         lines += ["", "grouped_mm token dispatch with fp8_dispatch on (under expert parallelism):"]
         lines += [f"  {r['recipe']}: {r['fp8_dispatch']}" for r in expert_parallel]
+    lines += ["", "attention layers with attention and fp8_attention on (off by default: docs/attention.md):"]
+    lines.append(
+        markdown_table(
+            ["attention layer", "backend", "why"],
+            [
+                [
+                    r["layer"],
+                    (f"{r['backend']} ({'FP8' if r['fp8'] else 'bf16'})" if r["backend"] else "TorchTitan's own"),
+                    r["reason"],
+                ]
+                for r in diagnosis["attention"]
+            ],
+        )
+    )
     if passed_over:
         lines += ["", "why backends were passed over:"]
         lines += [f"  [{n}] {name}: {why}" for (name, why), n in note.items()]
