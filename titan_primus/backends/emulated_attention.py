@@ -100,7 +100,7 @@ def _forward(q8, k8, v8, q_descale, k_descale, v_descale, causal: bool, softmax_
     nb = q.shape[3]
     row_shape = q.shape[:5]
     m = torch.full(row_shape, -math.inf, device=q.device)
-    l = torch.ones(row_shape, device=q.device)  # l_i starts at 1.0 (scaled by alpha = 0 at once)
+    row_sum = torch.ones(row_shape, device=q.device)  # l_i starts at 1.0 (times alpha = 0 at the first block)
     acc = torch.zeros(*row_shape, v.shape[-1], device=q.device)
     diagonal_mask = _causal_tile_mask(q.device)
     for j in range(nb):
@@ -114,15 +114,15 @@ def _forward(q8, k8, v8, q_descale, k_descale, v_descale, causal: bool, softmax_
         m_new = torch.maximum(m_old, s.amax(dim=-1))
         p = torch.exp2((s - m_new.unsqueeze(-1)) * _RCP_LN2)
         alpha = torch.exp2((m_old - m_new) * _RCP_LN2)
-        l[:, :, :, first:] = l[:, :, :, first:] * alpha + _fp32_sum(p, -1)
+        row_sum[:, :, :, first:] = row_sum[:, :, :, first:] * alpha + _fp32_sum(p, -1)
         m[:, :, :, first:] = m_new
         # P against the running max, at the static scale FMAX (p *= p_scale; p.to(v.dtype)).
         p8 = (p * fmax).to(fp8_dtype).float()
         pv = _fp8_dot(p8, v[:, :, :, j, None]) * vd[..., j, None, None, None]
         acc[:, :, :, first:] = acc[:, :, :, first:] * alpha.unsqueeze(-1) + pv
     acc = acc * (1.0 / fmax)
-    acc = acc * _rdiv(1.0, l).unsqueeze(-1)  # l_recip = 1 / l_i, then a product
-    lse = (m * _RCP_LN2 + torch.log2(l)) * _LN2
+    acc = acc * _rdiv(1.0, row_sum).unsqueeze(-1)  # l_recip = 1 / l_i, then a product
+    lse = (m * _RCP_LN2 + torch.log2(row_sum)) * _LN2
     B, Hq, L = q8.shape[:3]
     out = acc.to(torch.bfloat16).reshape(B, Hq, L, -1)
     return out, lse.reshape(B, Hq, L)
