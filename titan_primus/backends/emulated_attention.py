@@ -15,9 +15,14 @@ hardware, the emulation takes:
   A GPU's MFMA chain, or the Triton interpreter's fp32 matmul, rounds partial sums on the way;
 - fp32 sums of fp32 terms (softmax denominators, Delta): summed in float64, rounded once;
 - ``exp2`` / ``log2``: torch's fp32 functions (within an ulp, like the GPU's);
-- ``tl.fma``: fused, through float64 (the product of two fp32 values is exact there).
+- ``tl.fma`` (dK, dV): fused, through float64 (the product of two fp32 values is exact there;
+  the sum is rounded twice, which a single rounding can differ from only within 2**-53 of an
+  fp32 halfway point).
 
-Three custom ops keep the definition out of inductor's reach (it would fuse the bf16 roundings
+``flash_attn_fp8_func``'s backward leaves fp32 gradients, which autograd casts to the inputs'
+dtype (bf16); here the backward op leaves fp32 too and the cast is explicit.
+
+Two custom ops keep the definition out of inductor's reach (it would fuse the bf16 roundings
 away): ``titan_primus::emulated_fp8_attention_forward`` (the output and what backward needs:
 FP8 Q/K/V, their descales, the output and the LSE), ``titan_primus::emulated_fp8_attention_backward``
 (fp32 gradients, as the kernel leaves them), wired together with ``register_autograd``.
@@ -29,7 +34,7 @@ import math
 
 import torch
 
-__all__ = ["ATTENTION_BLOCK", "fp8_attention"]
+__all__ = ["ATTENTION_BLOCK", "check_fp8_attention_inputs", "fp8_attention"]
 
 # FIXED_BLOCK_M == FIXED_BLOCK_N (attention_kernel.py): the tiles, and the Q/K/V scale blocks.
 ATTENTION_BLOCK = 64
