@@ -14,6 +14,10 @@ interpreter and the hardware's semantics:
   rounding mode), drops the mantissa carry in fp32 -> fp8 and ignores NaN codes in fp8 -> float
   (triton-lang/triton #8322). A GPU rounds to nearest even; torch's casts do the same, so every
   float conversion goes through them.
+- ``tl.fma`` is a multiply then an add, rounded twice, in the interpreter; a GPU fuses them
+  (one rounding; the FP8 attention backward accumulates dK and dV with it). fp32 operands are
+  fused here through float64, where their product is exact (the emulation does the same:
+  titan_primus/backends/emulated_attention.py).
 """
 
 from __future__ import annotations
@@ -80,6 +84,13 @@ def _dot(self, a, b, d, input_precision, max_num_imprecise_acc):
     return interpreter.TensorHandle(product + d.data, d.dtype.scalar)
 
 
+def _fma(self, x, y, z):
+    if z.data.dtype != np.float32:
+        return _original_fma(self, x, y, z)
+    fused = x.data.astype(np.float64) * y.data.astype(np.float64) + z.data.astype(np.float64)
+    return interpreter.TensorHandle(fused.astype(np.float32), z.dtype.scalar)
+
+
 def _visit_annotated_assign(self, node):
     if node.value is None:
         return node
@@ -92,6 +103,7 @@ def _bench_equal(self, *args, config, **meta):
 
 
 _original_cast = interpreter.InterpreterBuilder.cast_impl
+_original_fma = interpreter.InterpreterBuilder.create_fma
 
 
 def install() -> None:
@@ -111,5 +123,6 @@ def install() -> None:
         setattr(builder, name, lambda self, src, dst_type: self.cast_impl(src, dst_type))
     builder.create_fp_to_fp = _fp_to_fp
     builder.create_dot = _dot
+    builder.create_fma = _fma
     interpreter.ASTTransformer.visit_AnnAssign = _visit_annotated_assign
     autotuner.Autotuner._bench = _bench_equal

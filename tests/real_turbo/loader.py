@@ -11,6 +11,9 @@ ops and picks its FP8 formats once, at import. What is supplied, and why:
   gfx942, 9.5 gfx950; ``multi_processor_count`` sizes the persistent grids). ``is_available``
   stays False: torch.compile would go looking for a driver, and titan-primus is told the device
   through its profile instead;
+- an active Triton driver whose target is ``GPUTarget("hip", arch, 64)``: the FP8 attention
+  kernels pick their FP8 types from it (``triton/attention/attention_kernel.py``,
+  ``get_tl_f8_bwd_dtype``); the interpreter has no active driver ("0 active drivers");
 - ``flydsl`` (imported at module top from v0.4.0; no registry release has what it needs): an
   inert stub. FlyDSL kernels are gfx950-only and never a default on the FP8 GEMM paths;
 - ``torch.library.custom_op(..., device_types="cuda")``: "cpu" added, so Primus-Turbo's
@@ -95,6 +98,24 @@ def _fake_device(arch: str) -> None:
     torch.cuda.current_device = lambda: 0
 
 
+class _HipTarget:
+    """The one query Primus-Turbo makes of Triton's active driver: its target."""
+
+    def __init__(self, arch: str):
+        from triton.backends.compiler import GPUTarget
+
+        self.target = GPUTarget("hip", arch, 64)
+
+    def get_current_target(self):
+        return self.target
+
+
+def _fake_triton_driver(arch: str) -> None:
+    import triton
+
+    triton.runtime.driver.set_active(_HipTarget(arch))
+
+
 def _empty_extension() -> None:
     for name in ("primus_turbo.pytorch._C", "primus_turbo.pytorch._C.deep_ep", "primus_turbo.pytorch._C.runtime"):
         module = types.ModuleType(name)
@@ -156,6 +177,7 @@ def load(source: Path, arch: str):
         raise RuntimeError("TRITON_INTERPRET=1 must be set before triton is imported")
     interpreter.install()
     _fake_device(arch)
+    _fake_triton_driver(arch)
     _empty_extension()
     sys.meta_path.insert(0, _InertFinder("flydsl"))
     _custom_ops_on_cpu()
