@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import torch
 
-from .route import FP8_ATTENTION_BLOCK, AttentionRoute
+from .route import AttentionRoute
 
 __all__ = ["Documents", "attend"]
 
@@ -34,15 +34,6 @@ def _bf16(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.bfloat16)
 
 
-def _check_fp8_length(q: torch.Tensor) -> None:
-    if q.shape[1] % FP8_ATTENTION_BLOCK:
-        raise ValueError(
-            f"titan-primus: FP8 attention needs a sequence length that is a multiple of {FP8_ATTENTION_BLOCK} "
-            f"(Primus-Turbo scales Q, K and V per {FP8_ATTENTION_BLOCK}-token block), got {q.shape[1]}: set "
-            f"training.seq_len to a multiple of {FP8_ATTENTION_BLOCK}, or turn fp8_attention off"
-        )
-
-
 def attend(
     route: AttentionRoute,
     q: torch.Tensor,
@@ -58,7 +49,6 @@ def attend(
     backend, in ``q``'s dtype. ``scale``: the softmax scale (None: 1/sqrt(D));
     ``window``: (left, right) in flash-attention's convention; ``documents``: document masking."""
     if route.fp8:
-        _check_fp8_length(q)
         if route.backend == "primus_turbo":
             from ..backends.primus_turbo.attention_fp8 import fp8_attention
 

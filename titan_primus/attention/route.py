@@ -20,13 +20,7 @@ import torch
 from ..device import DeviceProfile
 from ..registry import get_backend
 
-__all__ = ["AttentionRoute", "AttentionSite", "FP8_ATTENTION_BLOCK", "fp8_attention_refusal", "route_attention"]
-
-FP8_ATTENTION_BLOCK = 64
-"""Primus-Turbo's FP8 attention scales Q, K and V per 64-token block (``block_scaling_node`` in
-``ops/attention/attention_utils.py`` reshapes L into (L // 64, 64)): sequence lengths must be
-multiples of it."""
-
+__all__ = ["AttentionRoute", "AttentionSite", "fp8_attention_refusal", "route_attention"]
 
 @dataclass(frozen=True)
 class AttentionSite:
@@ -74,7 +68,7 @@ def fp8_attention_refusal(site: AttentionSite) -> str | None:
     """Why Primus-Turbo's FP8 attention cannot compute ``site`` as defined, or None where it can.
     Each rule is read in Primus-Turbo's sources (``ops/attention/flash_attn_interface.py``,
     ``kernels/attention/attention_triton_impl.py``); the sequence length, unknown at conversion,
-    is checked on the first call (a multiple of :data:`FP8_ATTENTION_BLOCK`)."""
+    is checked on each call (a multiple of 64: ``check_fp8_attention_inputs``)."""
     if site.unmappable:
         return site.unmappable
     if site.documents:

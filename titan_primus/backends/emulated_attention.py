@@ -34,7 +34,7 @@ import math
 
 import torch
 
-__all__ = ["ATTENTION_BLOCK", "check_fp8_attention_inputs", "fp8_attention"]
+__all__ = ["ATTENTION_BLOCK", "FORWARD_OP", "check_fp8_attention_inputs", "fp8_attention"]
 
 # FIXED_BLOCK_M == FIXED_BLOCK_N (attention_kernel.py): the tiles, and the Q/K/V scale blocks.
 ATTENTION_BLOCK = 64
@@ -274,6 +274,8 @@ def _backward_autograd(ctx, dout, *unused_grads):
 
 
 _forward_op.register_autograd(_backward_autograd, setup_context=_setup_context)
+FORWARD_OP = torch.ops.titan_primus.emulated_fp8_attention_forward.default
+"""The forward op, whose outputs selective activation checkpointing saves (titan_primus.checkpointing)."""
 
 
 def check_fp8_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -290,7 +292,8 @@ def check_fp8_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     if q.shape[1] % ATTENTION_BLOCK:
         raise ValueError(
             f"FP8 attention needs a sequence length that is a multiple of {ATTENTION_BLOCK} "
-            f"(one scale per {ATTENTION_BLOCK}-token block); got {q.shape[1]}"
+            f"(one scale per {ATTENTION_BLOCK}-token block); got {q.shape[1]}: set training.seq_len to a "
+            f"multiple of {ATTENTION_BLOCK}, or turn fp8_attention off"
         )
     if q.shape[2] % k.shape[2]:
         raise ValueError(f"FP8 attention needs query heads a multiple of kv heads; got {q.shape[2]} and {k.shape[2]}")

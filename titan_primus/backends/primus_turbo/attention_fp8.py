@@ -24,7 +24,7 @@ import torch
 from ..emulated_attention import ATTENTION_BLOCK, check_fp8_attention_inputs
 from .release import require_api
 
-__all__ = ["fp8_attention"]
+__all__ = ["FORWARD_OP", "fp8_attention"]
 
 _UTILS_MODULE = "primus_turbo.pytorch.ops.attention.attention_utils"
 _NO_WINDOW = -1  # window_size (-1, -1): the Triton kernel asserts it
@@ -134,6 +134,8 @@ def _backward(ctx, dout, *unused_grads):
 
 
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
+FORWARD_OP = torch.ops.titan_primus.primus_turbo_fp8_attention_forward.default
+"""The forward op, whose outputs selective activation checkpointing saves (titan_primus.checkpointing)."""
 
 
 def fp8_attention(
