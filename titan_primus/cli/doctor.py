@@ -277,7 +277,7 @@ def render(diagnosis: dict) -> str:
                 [
                     r["layer"],
                     (f"{r['backend']} ({'FP8' if r['fp8'] else 'bf16'})" if r["backend"] else "TorchTitan's own"),
-                    r["reason"],
+                    _cited(r["reason"], note),
                 ]
                 for r in diagnosis["attention"]
             ],
@@ -287,6 +287,13 @@ def render(diagnosis: dict) -> str:
         lines += ["", "why backends were passed over:"]
         lines += [f"  [{n}] {name}: {why}" for (name, why), n in note.items()]
     return "\n".join(lines) + "\n"
+
+
+def _cited(reason: str, note: dict) -> str:
+    """``reason`` with any backend's long reason listed below the tables replaced by its number."""
+    for (_, why), n in note.items():
+        reason = reason.replace(why, f"[{n}]")
+    return reason
 
 
 def command(device: str | None, as_json: bool, out) -> int:
