@@ -11,7 +11,7 @@ subclass of a TorchTitan config whose masks it consumes:
   ``_create_flex_attention_mask_for_document``) -> :class:`PrimusTurboVarlenAttention` too: the
   model then builds VarlenMetadata, the same mask as cu_seqlens (a BlockMask's mask_mod cannot be
   read back into cu_seqlens). A model with masks of its own (gpt_oss's sliding windows and sinks,
-  qwen3_5) keeps FlexAttention, with the reason;
+  qwen3_5) keeps TorchTitan's attention, flex or varlen, with the reason;
 - ``ScaledDotProductAttention.Config`` (causal or full, no masks) -> :class:`PrimusTurboSDPA`.
 
 Where the route says TorchTitan's own (another device, FP8 refused with ``attention`` off), the
@@ -108,12 +108,15 @@ def _head_dims(attention_config) -> tuple[int, int] | None:
 
 
 def _own_masks(model_config) -> str | None:
-    """Why a model's FlexAttention masks are not Decoder's causal + packed-document ones, if so."""
+    """Why a model's masks are not known to be Decoder's causal + packed-document ones, if so."""
     owner = getattr(type(model_config), "_owner", None)
     masks = getattr(owner, "get_attention_masks", None)
     if owner is None or masks is Decoder.get_attention_masks:
         return None
-    return f"{owner.__name__} builds FlexAttention masks of its own (get_attention_masks), which cu_seqlens cannot express"
+    return (
+        f"{owner.__name__} builds attention masks of its own (get_attention_masks), and such models pass "
+        f"what Primus-Turbo cannot take (gpt_oss: sliding-window BlockMasks, and {LSE_EPILOGUE})"
+    )
 
 
 def _with_route(config, new_cls, route: AttentionRoute, **fields_):
@@ -136,15 +139,12 @@ def convert_attention(model_config, router, replace) -> object:
                 continue
             window = getattr(config, "window_size", (-1, 0) if documents else (-1, -1))
             causal, flash = flash_window(window) if documents else (True, (-1, -1))
-            unmappable = None
-            if cls is FlexAttention.Config:
-                unmappable = own_masks
             site = AttentionSite(
                 causal=causal,
                 documents=documents,
                 window=flash,
                 head_dims=_head_dims(parent) if not isinstance(parent, list) else None,
-                unmappable=unmappable,
+                unmappable=own_masks if documents else None,
             )
             route = router.attention(fqn, site)
             if route is None or route.backend is None:
