@@ -133,7 +133,12 @@ def _qkv(B=1, L=128, H=4, Hkv=2, D=64, seed=0):
 
 def _emulated_route():
     return route_attention(
-        "layer", AttentionSite(head_dims=(64, 64)), device=tp.device_profile("gfx942"), backend="emulated", bf16=False, fp8=True
+        "layer",
+        AttentionSite(head_dims=(64, 64)),
+        device=tp.device_profile("gfx942"),
+        backend="emulated",
+        bf16=False,
+        fp8=True,
     )
 
 

@@ -91,7 +91,9 @@ def _backward_thd(dout, q, k, v, segments, scale, causal, left, right):
     group = q.shape[1] // k.shape[1]
     for (q0, q1), (k0, k1) in segments:
         allowed = _allowed(q1 - q0, k1 - k0, causal, left, right, q.device)
-        qh, kh, vh, doh = (_heads_first(t, *r) for t, r in ((q, (q0, q1)), (k, (k0, k1)), (v, (k0, k1)), (dout, (q0, q1))))
+        qh, kh, vh, doh = (
+            _heads_first(t, *r) for t, r in ((q, (q0, q1)), (k, (k0, k1)), (v, (k0, k1)), (dout, (q0, q1)))
+        )
         p, _ = _probabilities(qh, kh, allowed, scale)
         kg, vg = kh.repeat_interleave(group, 0), vh.repeat_interleave(group, 0)
         o = p @ vg

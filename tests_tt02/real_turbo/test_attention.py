@@ -40,7 +40,12 @@ class _Bf16Sdpa(ScaledDotProductAttentionWrapper):
     """TorchTitan's SDPA with its operands and output rounded to bf16, as the route rounds them."""
 
     def forward(self, q, k, v, **kwargs):
-        return super().forward(q.bfloat16().float(), k.bfloat16().float(), v.bfloat16().float(), **kwargs).bfloat16().float()
+        return (
+            super()
+            .forward(q.bfloat16().float(), k.bfloat16().float(), v.bfloat16().float(), **kwargs)
+            .bfloat16()
+            .float()
+        )
 
 
 def _gaps(a, b):
@@ -52,7 +57,9 @@ def _gaps(a, b):
 @pytest.mark.parametrize("name", ["llama3", "deepseek_v3"])
 def test_sdpa_causal_on_primus_turbo_trains_like_torchtitans(name):
     routed_model = meta_model(name)
-    report = convert(routed_model, device=ARCH, backend="primus_turbo", linears=False, grouped_experts=False, attention=True).report
+    report = convert(
+        routed_model, device=ARCH, backend="primus_turbo", linears=False, grouped_experts=False, attention=True
+    ).report
     routes = report.attention
     assert routes and all(r.backend == "primus_turbo" and not r.fp8 for r in routes), report.summary()
     assert sum(isinstance(m, PrimusTurboSDPAWrapper) for m in routed_model.modules()) == len(routes)

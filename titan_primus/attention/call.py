@@ -4,7 +4,6 @@ looks at the device."""
 
 from __future__ import annotations
 
-import importlib
 from typing import NamedTuple
 
 import torch
@@ -15,17 +14,11 @@ __all__ = ["Documents", "attend"]
 
 
 class Documents(NamedTuple):
-    """Packed documents (TorchTitan's VarlenMetadata): int32 cumulative offsets over the B·L
-    tokens, and the longest document."""
+    """Packed documents (TorchTitan's VarlenMetadata, whose query and key offsets are the same in
+    self-attention): int32 cumulative offsets over the B·L tokens, and the longest document."""
 
-    cu_seqlens_q: torch.Tensor
-    cu_seqlens_k: torch.Tensor
-    max_seqlen_q: int
-    max_seqlen_k: int
-
-
-def _turbo_ops():
-    return importlib.import_module("primus_turbo.pytorch").ops
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
 
 
 def _bf16(t: torch.Tensor) -> torch.Tensor:
@@ -62,25 +55,22 @@ def attend(
         return out.to(q.dtype)
     if route.backend != "primus_turbo":
         raise ValueError(f"titan-primus: {route.fqn} has no attention backend to call: {route.describe()}")
-    ops = _turbo_ops()
-    if documents is None:
-        out = ops.flash_attn_func(
-            _bf16(q).contiguous(),
-            _bf16(k).contiguous(),
-            _bf16(v).contiguous(),
-            softmax_scale=scale,
-            causal=causal,
-            window_size=window,
-        )
-        return out.to(q.dtype)
+    from ..backends.primus_turbo.attention_bf16 import flash_attention
+
     B, L = q.shape[:2]
-    out = ops.flash_attn_varlen_func(
-        _bf16(q).reshape(B * L, *q.shape[2:]),
-        _bf16(k).reshape(B * L, *k.shape[2:]),
-        _bf16(v).reshape(B * L, *v.shape[2:]),
-        *documents,
+    if documents is None:  # one sequence per batch element
+        cu_seqlens, longest = torch.arange(0, (B + 1) * L, L, dtype=torch.int32, device=q.device), L
+    else:
+        cu_seqlens, longest = documents
+    out = flash_attention(
+        _bf16(q).flatten(0, 1),
+        _bf16(k).flatten(0, 1),
+        _bf16(v).flatten(0, 1),
+        cu_seqlens,
+        longest,
         softmax_scale=scale,
         causal=causal,
-        window_size=window,
+        window=window,
+        settings=route.kernel_settings,
     )
-    return out.view(B, L, *out.shape[1:]).to(q.dtype)
+    return out.unflatten(0, (B, L)).to(q.dtype)

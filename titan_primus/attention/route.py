@@ -22,6 +22,7 @@ from ..registry import get_backend
 
 __all__ = ["AttentionRoute", "AttentionSite", "fp8_attention_refusal", "route_attention"]
 
+
 @dataclass(frozen=True)
 class AttentionSite:
     """What one layer's attention computes, as an adapter reads it off TorchTitan's model."""
@@ -39,7 +40,11 @@ class AttentionSite:
     (a BlockMask with a score_mod, an LSE epilogue, context parallelism, ...), if any."""
 
     def describe(self) -> str:
-        mask = ("document-causal" if self.causal else "document") if self.documents else ("causal" if self.causal else "full")
+        mask = (
+            ("document-causal" if self.causal else "document")
+            if self.documents
+            else ("causal" if self.causal else "full")
+        )
         if self.window != (-1, -1):
             mask += f", window {self.window}"
         return mask
@@ -56,6 +61,8 @@ class AttentionRoute:
     reason: str
     fp8_dtype: torch.dtype | None = None
     """The e4m3 format FP8 attention quantizes to (the device's: FNUZ on gfx942)."""
+    kernel_settings: tuple[bool, int] | None = None
+    """Primus-Turbo's bf16 kernels' settings, read once here (attention_bf16.kernel_settings)."""
 
     def describe(self) -> str:
         if self.backend is None:
@@ -98,7 +105,9 @@ def _attention_backend(device: DeviceProfile, backend: str) -> tuple[str | None,
     return None, f"no attention backend of titan-primus's on {device.arch} (TorchAO has no FP8 attention)"
 
 
-def route_attention(fqn: str, site: AttentionSite, *, device: DeviceProfile, backend: str, bf16: bool, fp8: bool) -> AttentionRoute:
+def route_attention(
+    fqn: str, site: AttentionSite, *, device: DeviceProfile, backend: str, bf16: bool, fp8: bool
+) -> AttentionRoute:
     """The route of the attention layer at ``fqn``: ``bf16`` and ``fp8`` are the converter's
     ``attention`` and ``fp8_attention`` options, ``backend`` its backend option."""
     name, available = _attention_backend(device, backend)
@@ -111,7 +120,13 @@ def route_attention(fqn: str, site: AttentionSite, *, device: DeviceProfile, bac
         return AttentionRoute(fqn, name, True, f"{site.describe()}; {available}", device.e4m3)
     refused = f"; FP8 attention refused: {fp8_refused}" if fp8_refused else ""
     if name == "primus_turbo" and bf16:
-        return AttentionRoute(fqn, name, False, f"{site.describe()}; {available}{refused}")
+        if site.head_dims and any(d % 8 for d in site.head_dims):
+            return AttentionRoute(fqn, None, False, f"head dims {site.head_dims}: AITER's kernels take multiples of 8")
+        from ..backends.primus_turbo.attention_bf16 import kernel_settings
+
+        return AttentionRoute(
+            fqn, name, False, f"{site.describe()}; {available}{refused}", kernel_settings=kernel_settings()
+        )
     if name == "emulated":
         return AttentionRoute(fqn, None, False, f"bf16 attention stays TorchTitan's own off MI300-class GPUs{refused}")
     return AttentionRoute(fqn, None, False, f"the attention option is off{refused}")

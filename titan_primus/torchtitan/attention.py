@@ -65,7 +65,7 @@ class PrimusTurboVarlenAttention(VarlenAttention):
 
     def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks, scale=None, out_transform=None, **kwargs):
         _no_epilogue(self.route.fqn, out_transform)
-        documents = Documents(*attention_masks[:4])
+        documents = Documents(attention_masks.cu_seq_q, attention_masks.max_q)
         return attend(
             self.route,
             q_BLNH,
@@ -149,6 +149,8 @@ def convert_attention(model_config, router, replace) -> object:
             route = router.attention(fqn, site)
             if route is None or route.backend is None:
                 continue
-            new = _with_route(config, new_cls, route, **({"window_size": (-1, 0)} if cls is FlexAttention.Config else {}))
+            new = _with_route(
+                config, new_cls, route, **({"window_size": (-1, 0)} if cls is FlexAttention.Config else {})
+            )
             model_config = replace(model_config, parent, attr, new)
     return model_config

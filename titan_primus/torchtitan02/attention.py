@@ -50,7 +50,7 @@ class PrimusTurboVarlenWrapper(nn.Module):
         self.route = route
 
     def forward(self, xq, xk, xv, attention_masks, scale=None):
-        documents = Documents(*attention_masks[:4])
+        documents = Documents(attention_masks.cu_seq_q, attention_masks.max_q)
         out = attend(
             self.route,
             xq.transpose(1, 2),
