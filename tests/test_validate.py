@@ -205,6 +205,23 @@ def test_fp8_that_fell_away_fails_fp8_engaged(quick):
     routing["token_dispatch"] = {"layers.1.moe.experts": {"fp8": True, "reason": "one scale per row"}}
     verdict = _verdict(_judged(doc, dispatched), "fp8 engaged")
     assert verdict["status"] == "fail" and "1 expert blocks whose tokens the baseline dispatched" in verdict["text"]
+    # Attention layers the baseline ran on a backend (or in FP8) that run otherwise now.
+    attention = copy.deepcopy(doc)
+    routing = attention["results"][0]["runs"]["fp8"]["routing_data"]
+    routing["attention"] = {
+        f"layers.{i}.attention.inner_attention": {"backend": "emulated", "fp8": True, "reason": "causal"}
+        for i in range(2)
+    }
+    assert "2 of 2 attention layers on emulated (FP8)" in _verdict(_judged(attention), "fp8 engaged")["text"]
+    now = copy.deepcopy(attention)
+    now["results"][0]["runs"]["fp8"]["routing_data"]["attention"]["layers.1.attention.inner_attention"] = {
+        "backend": None,
+        "fp8": False,
+        "reason": "the attention option is off",
+    }
+    verdict = _verdict(_judged(now, attention), "fp8 engaged")
+    assert verdict["status"] == "fail" and "1 attention layers no longer run as in the baseline" in verdict["text"]
+    assert "layers.1.attention.inner_attention" in verdict["text"] and "option is off" in verdict["text"], verdict
     # Another backend than the one expected here.
     expected = copy.deepcopy(doc)
     expected["results"][0]["fp8_options"] = {"backend": "torchao"}

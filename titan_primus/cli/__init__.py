@@ -175,6 +175,14 @@ def _add_validate(commands) -> None:
         "--fp8-dispatch", action="store_true", help="FP8 runs only: FP8 token dispatch under expert parallelism"
     )
     validate.add_argument(
+        "--attention", action="store_true", help="FP8 runs only: attention on Primus-Turbo (docs/attention.md)"
+    )
+    validate.add_argument(
+        "--fp8-attention",
+        action="store_true",
+        help="FP8 runs only: FP8 attention where it qualifies (docs/attention.md)",
+    )
+    validate.add_argument(
         "--filter-fqns",
         metavar="A,B",
         help="FP8 runs only: layers whose FQN contains one of these stay in high precision (default router.gate)",

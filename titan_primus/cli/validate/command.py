@@ -69,8 +69,9 @@ def fp8_options(args) -> dict:
     backend = args.backend or os.environ.get("TITAN_PRIMUS_BACKEND")
     if backend and backend != "auto":
         options["backend"] = backend
-    if args.fp8_dispatch:
-        options["fp8_dispatch"] = True
+    for option in ("fp8_dispatch", "attention", "fp8_attention"):
+        if getattr(args, option):
+            options[option] = True
     if args.filter_fqns is not None:
         options["filter_fqns"] = [f for f in args.filter_fqns.split(",") if f]
     return options

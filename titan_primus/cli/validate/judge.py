@@ -95,6 +95,7 @@ def fp8_engaged(runs: dict, expected_backend: str | None, before: dict | None = 
                 f"{len(undispatched)} expert blocks whose tokens the baseline dispatched in FP8 dispatch in "
                 f"high precision now ({_shown(undispatched)}): {why}"
             )
+    problems += _attention_problems(routing, expected, before["fp8"]["routing_data"] if before is not None else None)
     if identical(runs["fp8"]["steps"], runs["bf16"]["steps"]):
         problems.append("FP8's losses and grad norms are bitwise bf16's: FP8 changed nothing")
     if problems:
@@ -110,9 +111,36 @@ def fp8_engaged(runs: dict, expected_backend: str | None, before: dict | None = 
     dispatched = [d for d in routing.get("token_dispatch", {}).values() if d["fp8"]]
     if routing.get("token_dispatch"):
         text += f"; {len(dispatched)} of {len(routing['token_dispatch'])} expert blocks dispatch their tokens in FP8"
+    routed = [a for a in routing.get("attention", {}).values() if a["backend"]]
+    if routing.get("attention"):
+        text += f"; {len(routed)} of {len(routing['attention'])} attention layers on {_attention_backends(routed)}"
     if before is not None:
         text += "; the same backends, definitions and layers as the baseline"
     return Verdict("fp8 engaged", True, len(converted), None, text)
+
+
+def _attention_backends(routed: list[dict]) -> str:
+    names = sorted({f"{a['backend']} ({'FP8' if a['fp8'] else 'bf16'})" for a in routed})
+    return ", ".join(names) or "titan-primus's backends"
+
+
+def _attention_problems(routing: dict, expected: str | None, then: dict | None) -> list[str]:
+    """With the attention options on: on Primus-Turbo's device, attention that stayed TorchTitan's
+    for want of it; with a baseline, every layer it routed (and FP8 where it ran FP8) routed still."""
+    attention, problems = routing.get("attention", {}), []
+    if attention and expected == "primus_turbo" and not any(a["backend"] for a in attention.values()):
+        problems.append(f"no attention layer runs on Primus-Turbo: {next(iter(attention.values()))['reason']}")
+    if then is not None:
+        lost = [
+            fqn
+            for fqn, a in then.get("attention", {}).items()
+            if a["backend"]
+            and (attention.get(fqn, {}).get("backend"), attention.get(fqn, {}).get("fp8")) != (a["backend"], a["fp8"])
+        ]
+        if lost:
+            why = attention.get(lost[0], {}).get("reason", "the attention options are off now")
+            problems.append(f"{len(lost)} attention layers no longer run as in the baseline ({_shown(lost)}): {why}")
+    return problems
 
 
 def judge(result: dict, settings: dict, expected_backend: str | None, before: dict | None = None) -> list[Verdict]:
