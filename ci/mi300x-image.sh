@@ -43,4 +43,9 @@ step "the TorchTitan 0.2.x suite on the image's stack" python -m pytest -q tests
 step "parity gate, Primus-Turbo required" ci/gate.sh mi300x --require primus_turbo --compile
 step "validate (FP8 vs bf16 on TorchTitan 0.2.x's trainer)" \
     ci/validate.sh mi300x --config examples/torchtitan02/llama3_debug_fp8.toml --steps 300
+# The attention route (docs/attention.md): deepseek_v3's SDPA-causal layers on Primus-Turbo, in
+# FP8 where the definition holds (MLA head dims 192/128), the FP8 runs against bf16 as above.
+step "validate with attention on Primus-Turbo (bf16 and FP8 attention)" \
+    ci/validate.sh mi300x-attention --config examples/torchtitan02/deepseek_v3_debug_fp8.toml --steps 300 \
+    --attention --fp8-attention
 finish

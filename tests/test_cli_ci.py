@@ -141,6 +141,11 @@ def test_scripts_call_only_what_exists(path):
                 parser.parse_args(argv[1:])
             except SystemExit:
                 pytest.fail(f"{path.name}: titan-primus does not accept {shlex.join(argv[1:])!r}")
+        if program == "validate.sh":  # ci/validate.sh NAME [titan-primus validate arguments]
+            try:
+                parser.parse_args(["validate", *argv[2:]])
+            except SystemExit:
+                pytest.fail(f"{path.name}: titan-primus validate does not accept {shlex.join(argv[2:])!r}")
         run = pytest_run(argv)
         if run and run[0]:
             assert marker_names(run[0]) <= pytest_markers(), f"{path.name}: unknown marker in {run[0]!r}"
