@@ -26,7 +26,7 @@ def _compile_blocks(model) -> None:
     apply_compile(model, compile_config=CompileConfig(enable=True), parallel_dims=single)
 
 
-def gemms_per_step(config, ac, compiled: bool, ops, count=count_gemms) -> tuple[int, int]:
+def gemms_per_step(config, ac, compiled: bool, ops, count=count_gemms, seq_len: int = 32) -> tuple[int, int]:
     """(FP8 GEMMs in the forward, in forward + backward) of one training step of ``config``
     built with activation checkpointing ``ac`` (a Config, or None); ``count(fn, ops, compiled)``
     returns ``(fn(), GEMMs it ran)``."""
@@ -35,7 +35,7 @@ def gemms_per_step(config, ac, compiled: bool, ops, count=count_gemms) -> tuple[
     model = build(config, seed=0)
     if ac is not None:
         ac.build().apply(model)
-    tokens = token_ids(2, 32, torch.Generator().manual_seed(3))
+    tokens = token_ids(2, seq_len, torch.Generator().manual_seed(3))
 
     def step():
         out, forward = count(lambda: model(tokens), ops, compiled)

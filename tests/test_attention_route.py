@@ -179,13 +179,22 @@ def test_fp8_route_compiles_fullgraph_equal_to_eager(backend):
 
 def test_selective_ac_saves_the_attention_ops():
     """The routes' forward ops are in Fp8SelectiveAC's save set, like TorchTitan's own attention
-    ops, so checkpointed blocks do not run attention again in backward."""
+    ops: under selective AC a training step of deepseek_v3 debug (FP8 attention in its 6 layers)
+    runs the attention forward once per layer, as without AC; TorchTitan's stock policy (which
+    does not know the op) and full AC run it twice."""
+    from test_activation_checkpointing import gemms_per_step
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
     from titan_primus.backends.emulated_attention import FORWARD_OP
     from titan_primus.torchtitan import Fp8SelectiveAC
 
     assert FORWARD_OP in attention_save_ops()
     save_ops = Fp8SelectiveAC(Fp8SelectiveAC.Config()).get_save_ops()
     assert FORWARD_OP in save_ops and torch.ops.aten._scaled_dot_product_flash_attention.default in save_ops
+    config, _ = _converted(model_config("deepseek_v3"), device="cpu", fp8_attention=True)
+    policies = (None, Fp8SelectiveAC.Config(), SelectiveAC.Config(), FullAC.Config())
+    runs = [gemms_per_step(config, ac, False, {FORWARD_OP}, seq_len=64) for ac in policies]
+    assert runs == [(6, 6), (6, 6), (6, 12), (6, 12)], runs
 
 
 def test_varlen_config_subclasses_keep_torchtitans_masks():
