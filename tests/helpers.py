@@ -22,6 +22,7 @@ from titan_primus.numerics import (
 
 __all__ = [
     "Hardware",
+    "sgd_losses",
     "bars",
     "expert_parallel_sqnrs",
     "make_offsets",
@@ -87,3 +88,20 @@ def expert_parallel_sqnrs(grouped_mm, recipe, seed: int = 0) -> list[tuple[list[
     one_device = run(everything, everything)
     ranks = run(slice(None, half), slice(None, 2)) + run(slice(half, None), slice(2, None))
     return [(sqnrs(r, one), sqnrs(r, ep)) for r, one, ep in zip(reference, one_device, ranks)]
+
+
+def sgd_losses(
+    model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tensor, steps: int, lr: float = 0.5
+) -> list[float]:
+    """The losses of ``steps`` SGD steps of ``model`` on one batch (cross entropy of its logits).
+    SGD rather than AdamW: AdamW's normalised updates amplify any last-bit gradient difference,
+    and these comparisons are about one module's numerics."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        loss = torch.nn.functional.cross_entropy(model(inputs).flatten(0, -2).float(), labels.flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses

@@ -10,7 +10,8 @@ import importlib
 import pytest
 import torch
 import torch.nn.functional as F
-from closeness import assert_sqnr_at_least
+from closeness import assert_sqnr_at_least, relative_gaps
+from helpers import sgd_losses
 from titan_helpers import MODEL_REGISTRIES, build, model_config, token_ids
 from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention, VarlenAttention
 
@@ -90,17 +91,8 @@ def test_models_with_masks_of_their_own_keep_flex_with_the_reason():
 
 
 def _train(model, steps: int = 3) -> list[float]:
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     g = torch.Generator().manual_seed(0)
-    inputs, labels = token_ids(2, 128, g), token_ids(2, 128, g)
-    losses = []
-    for _ in range(steps):
-        loss = F.cross_entropy(model(inputs).flatten(0, -2).float(), labels.flatten())
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return sgd_losses(model, token_ids(2, 128, g), token_ids(2, 128, g), steps)
 
 
 def test_fp8_attention_trains_where_it_qualifies():
@@ -113,8 +105,7 @@ def test_fp8_attention_trains_where_it_qualifies():
     assert len(report.attention) == 6 and all(r.backend == "emulated" and r.fp8 for r in report.attention)
     assert sum(1 for _ in config.traverse(PrimusTurboSDPA.Config)) == 6
     fp8, stock = _train(build(config)), _train(build(model_config("deepseek_v3")))
-    gaps = [abs(a - b) / b for a, b in zip(fp8, stock)]
-    assert all(0 < g <= 5e-3 for g in gaps), (fp8, stock)
+    assert all(0 < g <= 5e-3 for g in relative_gaps(fp8, stock)), (fp8, stock)
 
     llama, report = _converted(model_config("llama3"), device="cpu", fp8_attention=True)
     assert all(r.backend is None and "head dims (16, 16)" in r.reason for r in report.attention)

@@ -17,7 +17,7 @@ v0.3.1, v0.3.2.dev48, v0.4.0 and v0.4.1.dev26):
   token attends across sequences;
 - GQA: query head h reads key/value head ``h // (Hq // Hkv)``;
 - the softmax in fp32 of ``scale · q·kᵀ``, its output rounded to q's dtype once; the LSE is
-  fp32, (B, Hq, Sq) dense and (Hq, total) varlen; gradients computed in fp32 and rounded once,
+  fp32, (Hq, total); gradients computed in fp32 and rounded once,
   written into the ``dq``/``dk``/``dv`` buffers (the forward writes ``out=`` where given).
 
 Dropout, bias, ALiBi and sinks are refused (nothing titan-primus routes uses them). The numbers
@@ -109,52 +109,6 @@ def _segments(cu_q: torch.Tensor, cu_k: torch.Tensor):
     return list(zip(zip(bounds_q[:-1], bounds_q[1:]), zip(bounds_k[:-1], bounds_k[1:])))
 
 
-def _dense_segments(q, k):
-    """(B, S, H, D) as THD, with one sequence per batch element."""
-    B, sq, sk = q.shape[0], q.shape[1], k.shape[1]
-    return [((b * sq, (b + 1) * sq), (b * sk, (b + 1) * sk)) for b in range(B)]
-
-
-def _thd(t):
-    return t.reshape(t.shape[0] * t.shape[1], *t.shape[2:])
-
-
-def _flash_attn_forward(
-    q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right, sink_size, bias, alibi_slopes,
-    q_descale, k_descale, v_descale, return_lse, return_softmax, out=None, **kwargs,
-):  # fmt: skip
-    _refuse("dropout", dropout_p)
-    _refuse("bias", bias is not None)
-    _refuse("alibi_slopes", alibi_slopes is not None)
-    _refuse("sink_size", sink_size)
-    B, S = q.shape[:2]
-    o, lse = _forward_thd(
-        _thd(q), _thd(k), _thd(v), _dense_segments(q, k), softmax_scale, causal, window_size_left, window_size_right
-    )
-    o = o.view(B, S, *o.shape[1:]).to(q.dtype)
-    if out is None:
-        out = o
-    else:
-        out.copy_(o)
-    lse = lse.view(lse.shape[0], B, S).transpose(0, 1).contiguous()
-    return out, lse, torch.empty(0, dtype=q.dtype), torch.zeros(2, dtype=torch.int64)
-
-
-def _flash_attn_backward(
-    dout, q, k, v, out, softmax_lse, dq, dk, dv, dbias, dropout_p, softmax_scale, causal, window_size_left,
-    window_size_right, bias, alibi_slopes, deterministic, rng_state, is_v3_atomic_fp32, how_v3_bf16_cvt, **kwargs,
-):  # fmt: skip
-    _refuse("dropout", dropout_p)
-    _refuse("bias", bias is not None)
-    grads = _backward_thd(
-        _thd(dout), _thd(q), _thd(k), _thd(v), _dense_segments(q, k), softmax_scale, causal, window_size_left,
-        window_size_right,
-    )  # fmt: skip
-    for buffer, grad in zip((dq, dk, dv), grads):
-        buffer.copy_(grad.view(buffer.shape))
-    return dq, dk, dv, None
-
-
 def _flash_attn_varlen_forward(
     q, k, v, cu_seqlens_q, cu_seqlens_k, cu_seqlens_q_padded, cu_seqlens_k_padded, max_seqlen_q, max_seqlen_k,
     min_seqlen_q, dropout_p, softmax_scale, *, causal, logits_soft_cap, window_size_left, window_size_right,
@@ -190,13 +144,18 @@ def _flash_attn_varlen_backward(
     return dq, dk, dv, None
 
 
-def _no_sink_kernels(*args, **kwargs):
-    raise StandInError("AITER stand-in: the Triton sink kernels (aiter.ops.triton.attention) are not stood in")
+def _not_stood_in(*args, **kwargs):
+    raise StandInError(
+        "AITER stand-in: only the varlen kernels titan-primus calls are stood in (not the dense ones, nor the "
+        "Triton sink kernels of aiter.ops.triton.attention)"
+    )
 
 
 def install() -> None:
-    """Put ``aiter.ops.mha`` (and the Triton sink modules Primus-Turbo imports beside it) in
-    ``sys.modules``: Primus-Turbo imports them lazily, on its first attention call."""
+    """Put ``aiter.ops.mha`` (and the modules Primus-Turbo imports beside it) in ``sys.modules``:
+    Primus-Turbo imports them together, lazily, on its first attention call. titan-primus's route
+    calls the varlen kernels only (dense attention is varlen with one sequence per batch element:
+    backends/primus_turbo/attention_bf16.py)."""
     modules = {
         name: types.ModuleType(name)
         for name in (
@@ -215,10 +174,9 @@ def install() -> None:
         if parent:
             setattr(modules[parent], child, module)
     mha = modules["aiter.ops.mha"]
-    mha._flash_attn_forward = _flash_attn_forward
-    mha._flash_attn_backward = _flash_attn_backward
+    mha._flash_attn_forward = mha._flash_attn_backward = _not_stood_in
     mha._flash_attn_varlen_forward = _flash_attn_varlen_forward
     mha._flash_attn_varlen_backward = _flash_attn_varlen_backward
-    modules["aiter.ops.triton.attention.mha"]._flash_attn_forward = _no_sink_kernels
-    modules["aiter.ops.triton.attention.mha_onekernel_bwd"].flash_attn_onekernel_backward = _no_sink_kernels
+    modules["aiter.ops.triton.attention.mha"]._flash_attn_forward = _not_stood_in
+    modules["aiter.ops.triton.attention.mha_onekernel_bwd"].flash_attn_onekernel_backward = _not_stood_in
     sys.modules.update(modules)

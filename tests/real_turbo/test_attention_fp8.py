@@ -5,6 +5,7 @@ opaque op around Primus-Turbo (backends/primus_turbo/attention_fp8.py) is it, bi
 import pytest
 import torch
 from closeness import assert_bitwise, assert_sqnr_at_least
+from test_attention_fp8_emulated import _grads, _inputs
 
 from real_turbo.conftest import ARCH, TURBO
 from titan_primus.backends.emulated_attention import fp8_attention as emulated_fp8_attention
@@ -19,19 +20,6 @@ SHAPES = [(1, 128, 2, 1, 32), (2, 128, 4, 2, 64)]  # (B, L, Hq, Hkv, D): GQA 2:1
 # emulation's exact FP8 dot products) flip a rare dS or Delta rounding.
 MAX_OUT_ELEMENTS_ONE_ULP_APART = 4
 MIN_DQ_DK_DB = 75.0
-
-
-def _inputs(B, L, Hq, Hkv, D, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(B, L, h, D, generator=g).to(torch.bfloat16) for h in (Hq, Hkv, Hkv))
-    return q, k, v, torch.randn(B, L, Hq, D, generator=g).to(torch.bfloat16)
-
-
-def _grads(fn, q, k, v, dout):
-    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    out = fn(*leaves)
-    out.backward(dout)
-    return out.detach(), *(leaf.grad for leaf in leaves)
 
 
 def _turbo_public(causal):

@@ -11,8 +11,8 @@ is, within a factor for the stand-in's summation order."""
 import os
 
 import pytest
-import torch
-import torch.nn.functional as F
+from closeness import relative_gaps
+from helpers import sgd_losses
 from torchtitan.models.attention import ScaledDotProductAttentionWrapper
 from tt02_helpers import convert, materialize, meta_model, tokens
 
@@ -22,18 +22,8 @@ ARCH = os.environ.get("TITAN_PRIMUS_TURBO_ARCH", "gfx942")
 STEPS = 3
 
 
-def _train(model, steps=STEPS) -> list[float]:
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    inputs, labels = tokens(seq=64), tokens(seq=64, seed=2)
-    losses = []
-    for _ in range(steps):
-        logits = model(inputs)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
+def _train(model) -> list[float]:
+    return sgd_losses(model, tokens(seq=64), tokens(seq=64, seed=2), STEPS)
 
 
 class _Bf16Sdpa(ScaledDotProductAttentionWrapper):
@@ -46,12 +36,6 @@ class _Bf16Sdpa(ScaledDotProductAttentionWrapper):
             .bfloat16()
             .float()
         )
-
-
-def _gaps(a, b):
-    gaps = [abs(x - y) / abs(y) for x, y in zip(a, b)]
-    assert len(gaps) == STEPS and all(g == g for g in gaps), (a, b)
-    return gaps
 
 
 @pytest.mark.parametrize("name", ["llama3", "deepseek_v3"])
@@ -70,8 +54,8 @@ def test_sdpa_causal_on_primus_turbo_trains_like_torchtitans(name):
         if isinstance(module, ScaledDotProductAttentionWrapper):
             parent, _, attr = fqn.rpartition(".")
             setattr(bf16_model.get_submodule(parent), attr, _Bf16Sdpa())
-    rounding = max(_gaps(_train(materialize(bf16_model)), stock))
-    routed = max(_gaps(_train(materialize(routed_model)), stock))
+    rounding = max(relative_gaps(_train(materialize(bf16_model)), stock))
+    routed = max(relative_gaps(_train(materialize(routed_model)), stock))
     # Measured (v0.3.2.dev48, gfx942; SGD, 3 steps): llama3 routed 7.9e-7 against rounding 8.7e-7,
     # deepseek_v3 6.8e-6 against 6.5e-6. (AdamW's normalised updates amplify any last-bit gradient
     # difference: SGD keeps the comparison about the attention.)
