@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import titan_primus as tp
 from titan_primus import cli
@@ -194,13 +195,14 @@ def test_parity_quick_passes_on_cpu_and_writes_the_schema(results):
     assert {"date", "versions", "device"} <= set(doc["environment"])
     assert doc["summary"]["ok"] and doc["summary"]["fail"] == doc["summary"]["error"] == 0
     rows = doc["results"]
-    assert {r["op"] for r in rows} == {"linear", "grouped_mm"}
-    assert {r["recipe"] for r in rows} == set(tp.RECIPE_NAMES)
+    assert {r["op"] for r in rows} == {"linear", "grouped_mm", "attention"}
+    assert {r["recipe"] for r in rows if r["op"] != "attention"} == set(tp.RECIPE_NAMES)
     for row in rows:
         if row["status"] == "skipped":
             assert row["reason"], row
         else:
-            assert row["status"] == "pass" and len([c for c in row["checks"] if c["against"] == "fp32"]) == 3
+            quantities = 4 if row["op"] == "attention" else 3  # out, dq, dk, dv; out, grad_input, grad_weight
+            assert row["status"] == "pass" and len([c for c in row["checks"] if c["against"] == "fp32"]) == quantities
     turbo = [r for r in rows if r["backend"] == "primus_turbo"]
     assert turbo and all(r["status"] == "skipped" and ("MI300" in r["reason"] or "fnuz" in r["reason"]) for r in turbo)
     # TorchAO's linear is compared with the emulation of the same (torchao) definition.
@@ -209,6 +211,42 @@ def test_parity_quick_passes_on_cpu_and_writes_the_schema(results):
     # The fnuz-range case runs under gfx942 (this CPU is not FNUZ), emulation only.
     fnuz = [r for r in rows if r["case"] == "fnuz_range" and r["status"] != "skipped"]
     assert fnuz and {(r["device"], r["backend"]) for r in fnuz} == {("gfx942", "emulated")}
+
+
+@pytest.mark.parametrize("name", ["parity_cpu", "parity_gfx942"])
+def test_parity_quick_runs_fp8_attention_on_the_emulation_against_fp32_sdpa(results, name):
+    """Causal, full and GQA (with a v head dim below q/k's); measured on this CPU at both profiles'
+    formats: out 25.8-27.0 dB, dq/dk 23.0-24.0, dv 25.8-26.7 against the bar of 20 (Primus-Turbo's gate)."""
+    doc = strict_json(results[name])
+    rows = [r for r in doc["results"] if r["op"] == "attention"]
+    assert {r["case"] for r in rows} == {"causal", "full", "gqa_dv_differs"}
+    assert {c["name"] for c in doc["settings"]["cases"] if c["op"] == "attention"} == {r["case"] for r in rows}
+    assert doc["settings"]["thresholds_db"]["fp8_attention_vs_fp32"] == 20
+    emulated = [r for r in rows if r["backend"] == "emulated"]
+    assert len(emulated) == 3 and all(r["status"] == "pass" and r["definition"] == "primus_turbo" for r in emulated)
+    # backend="auto" picks the emulation for FP8 attention on a CPU, nothing under a named gfx942 without Primus-Turbo.
+    assert all(r["routed"] == (name == "parity_cpu") for r in emulated)
+    for row in emulated:
+        db = {c["quantity"]: c["sqnr_db"] for c in row["checks"]}
+        assert {c["against"] for c in row["checks"]} == {"fp32"} and list(db) == ["out", "dq", "dk", "dv"]
+        assert db["out"] > 25 and db["dq"] > 22.5 and db["dk"] > 22.5 and db["dv"] > 25, row
+    turbo = [r for r in rows if r["backend"] == "primus_turbo"]
+    assert len(turbo) == 3 and all(r["status"] == "skipped" and r["reason"].startswith("unavailable") for r in turbo)
+
+
+def test_parity_fails_fp8_attention_that_returns_nan(monkeypatch):
+    from titan_primus.backends import emulated_attention
+
+    real = emulated_attention.fp8_attention
+
+    def nan_attention(*args, **kwargs):
+        out = real(*args, **kwargs)
+        return out + torch.full_like(out, float("nan"))
+
+    monkeypatch.setattr(emulated_attention, "fp8_attention", nan_attention)
+    (row, _) = parity.run_matrix(tp.detect_device(), (), attention_cases=parity.QUICK_ATTENTION_CASES[:1])
+    assert row.backend == "emulated" and row.status == "fail"
+    assert "out has NaN/inf" in row.reason and "out vs fp32 -inf dB < 20" in row.reason
 
 
 def test_parity_on_the_gfx942_profile_compares_differently_defined_recipes_with_fp32_only(results):
