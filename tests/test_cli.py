@@ -305,11 +305,33 @@ def test_bench_quick_on_cpu_says_what_cpu_figures_mean(results):
         ("linear", "torchao"),
         ("grouped_mm", "bf16"),
         ("grouped_mm", "emulated"),
+        ("attention", "bf16"),
+        ("attention", "emulated"),
     }
+    attention = [r for r in doc["results"] if r["op"] == "attention"]
+    assert {r["case"] for r in attention} == {"llama3_8b.attention", "deepseek_v3.attention"}
+    assert {(r["backend"], r["recipe"]) for r in attention} == {
+        ("bf16", None),
+        ("primus_turbo", "bf16"),
+        ("primus_turbo", "fp8_blockwise64"),
+        ("emulated", "fp8_blockwise64"),
+    }
+    assert all(r["status"] == "skipped" and "MI300" in r["reason"] for r in attention if r["backend"] == "primus_turbo")
+    assert "attention FLOPs (FlashAttention's convention)" in results["bench_out"]
     for row in measured:  # shapes of the figures, never their values: timings are not asserted
         assert row["ms"] > 0 and row["tflops"] > 0 and row["fraction_of_peak"] is None
         assert (row["speedup_vs_bf16"] is None) == (row["backend"] == "bf16")
     assert all(r["reason"] for r in doc["results"] if r["status"] == "skipped")
+
+
+def test_attention_flops_follow_flash_attentions_convention():
+    """Llama3-8B causal at 8192 tokens: 4*B*H*S^2*D forward, halved; backward 2.5x. DeepSeek-V3's
+    MLA: 2*B*H*S^2*(192 + 128) forward. On a CPU the heads shrink but keep 4 query heads per KV head."""
+    llama, deepseek = bench.ATTENTION_SHAPES
+    assert llama.forward_flops == 4 * 32 * 8192**2 * 128 // 2 and llama.flops == llama.forward_flops * 3.5
+    assert deepseek.forward_flops == 2 * 128 * 8192**2 * (192 + 128) // 2
+    scaled = llama.scaled(64)
+    assert (scaled.seq, scaled.heads.heads, scaled.heads.kv_heads, scaled.heads.head_dim) == (128, 4, 1, 128)
 
 
 def test_peaks_are_found_by_marketing_name():

@@ -46,6 +46,7 @@ __all__ = [
     "run_attention",
     "run_grouped",
     "run_linear",
+    "sdpa",
     "sqnrs",
 ]
 
@@ -116,15 +117,18 @@ def run_attention(fn, q, k, v, grad_out):
     return out, q.grad, k.grad, v.grad
 
 
+def sdpa(q, k, v, *, causal: bool):
+    """torch's SDPA of bshd (B, L, H, D) tensors, bshd out: softmax scale 1/sqrt(D), kv heads
+    shared by query-head groups."""
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True).transpose(1, 2)
+
+
 def reference_attention(q, k, v, grad_out, *, causal: bool):
-    """fp32 SDPA (softmax scale 1/sqrt(D), kv heads shared by query-head groups) of the same
-    (possibly bf16-rounded) bshd inputs."""
-
-    def fp32(q, k, v):
-        q, k, v = (t.float().transpose(1, 2) for t in (q, k, v))
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True).transpose(1, 2)
-
-    return run_attention(fp32, q, k, v, grad_out.float())
+    """fp32 :func:`sdpa` of the same (possibly bf16-rounded) bshd inputs."""
+    return run_attention(
+        lambda q, k, v: sdpa(q.float(), k.float(), v.float(), causal=causal), q, k, v, grad_out.float()
+    )
 
 
 def sqnrs(reference, actual) -> list[float]:

@@ -42,7 +42,7 @@ from tqdm import tqdm
 from ... import registry
 from ...attention import AttentionRoute, AttentionSite, attend, route_attention
 from ...device import DeviceProfile, device_profile
-from ..doctor import describe_error, environment, resolve_profile, why_not
+from ..doctor import ATTENTION_RECIPE, attention_why_not, describe_error, environment, resolve_profile, why_not
 from ...numerics import (
     ATTENTION_QUANTITIES,
     E4M3_BAR_DB,
@@ -256,8 +256,6 @@ QUICK_CASES = (
     ),
 )
 
-ATTENTION_RECIPE = "fp8_blockwise64"
-"""The one definition of FP8 attention (``Float8QuantConfig(BLOCKWISE, block_size=64)``), in the rows' recipe field."""
 ATTENTION_BACKENDS = (ORACLE, "primus_turbo")
 
 
@@ -521,13 +519,6 @@ def _run_cell(case, recipe: str, requested: DeviceProfile) -> list[Row]:
     return rows
 
 
-def _attention_why_not(backend: str, profile: DeviceProfile) -> str:
-    if backend == ORACLE:
-        return ""
-    available = registry.get_backend(backend).availability(profile)
-    return "" if available else f"unavailable: {available.reason}"
-
-
 def _run_attention_case(case: AttentionCase, profile: DeviceProfile) -> list[Row]:
     """FP8 attention of ``case`` on each attention backend here, against fp32 SDPA and, for
     Primus-Turbo, against the emulation (the same definition)."""
@@ -546,7 +537,7 @@ def _run_attention_case(case: AttentionCase, profile: DeviceProfile) -> list[Row
             route.fp8 and route.backend == backend,
         )
         rows.append(row)
-        row.reason = _attention_why_not(backend, profile)
+        row.reason = attention_why_not(backend, profile, case.site(), fp8=True)
         if row.reason:
             continue
         row.definition = "primus_turbo"  # the emulation's is Primus-Turbo's
