@@ -215,23 +215,24 @@ def test_parity_quick_passes_on_cpu_and_writes_the_schema(results):
 
 @pytest.mark.parametrize("name", ["parity_cpu", "parity_gfx942"])
 def test_parity_quick_runs_fp8_attention_on_the_emulation_against_fp32_sdpa(results, name):
-    """Causal, full and GQA (with a v head dim below q/k's); measured on this CPU at both profiles'
-    formats: out 25.8-27.0 dB, dq/dk 23.0-24.0, dv 25.8-26.7 against the bar of 20 (Primus-Turbo's gate)."""
+    """Causal, full, GQA and a v head dim below q/k's; measured on this CPU at both profiles'
+    formats (2026-12-02): out 25.6-27.5 dB, dq 23.3-23.9, dk 23.5-24.1, dv 25.2-27.0 against the
+    bar of 20 (Primus-Turbo's own FP8 attention gate)."""
     doc = strict_json(results[name])
     rows = [r for r in doc["results"] if r["op"] == "attention"]
-    assert {r["case"] for r in rows} == {"causal", "full", "gqa_dv_differs"}
+    assert {r["case"] for r in rows} == {"causal", "full", "gqa_causal", "dv_differs"}
     assert {c["name"] for c in doc["settings"]["cases"] if c["op"] == "attention"} == {r["case"] for r in rows}
     assert doc["settings"]["thresholds_db"]["fp8_attention_vs_fp32"] == 20
     emulated = [r for r in rows if r["backend"] == "emulated"]
-    assert len(emulated) == 3 and all(r["status"] == "pass" and r["definition"] == "primus_turbo" for r in emulated)
+    assert len(emulated) == 4 and all(r["status"] == "pass" and r["definition"] == "primus_turbo" for r in emulated)
     # backend="auto" picks the emulation for FP8 attention on a CPU, nothing under a named gfx942 without Primus-Turbo.
     assert all(r["routed"] == (name == "parity_cpu") for r in emulated)
     for row in emulated:
         db = {c["quantity"]: c["sqnr_db"] for c in row["checks"]}
         assert {c["against"] for c in row["checks"]} == {"fp32"} and list(db) == ["out", "dq", "dk", "dv"]
-        assert db["out"] > 25 and db["dq"] > 22.5 and db["dk"] > 22.5 and db["dv"] > 25, row
+        assert db["out"] > 24.5 and db["dq"] > 22.5 and db["dk"] > 22.5 and db["dv"] > 24.5, row
     turbo = [r for r in rows if r["backend"] == "primus_turbo"]
-    assert len(turbo) == 3 and all(r["status"] == "skipped" and r["reason"].startswith("unavailable") for r in turbo)
+    assert len(turbo) == 4 and all(r["status"] == "skipped" and r["reason"].startswith("unavailable") for r in turbo)
 
 
 def test_parity_fails_fp8_attention_that_returns_nan(monkeypatch):
