@@ -302,8 +302,8 @@ class AttentionCase:
 _GQA_WHY = "grouped-query attention (Hq = 2 Hkv, as Llama3's 32 q / 8 kv heads): dk, dv sum over each group"
 _DV_WHY = "q/k and v head dims differ, as DeepSeek-V3's MLA (192 / 128)"
 _GQA_DV_WHY = (
-    "grouped-query attention with a v head dim below q/k's: Primus-Turbo's FP8 backward got dk and dv wrong "
-    "here under the Triton interpreter (every build from v0.3.1 to v0.4.1.dev26, gfx942 and gfx950)"
+    "grouped-query attention with q/k and v head dims differing: Primus-Turbo's FP8 backward got dk and dv "
+    "wrong there under the Triton interpreter (every build from v0.3.1 to v0.4.1.dev26, gfx942 and gfx950)"
 )
 
 
