@@ -367,7 +367,7 @@ def run_attention_bench(shapes, timing: tuple[int, int], profile: DeviceProfile,
                 row["reason"] = _EMULATION_ON_GPU
             if row["reason"]:
                 continue
-            row["definition"] = "primus_turbo"
+            row["definition"] = "primus_turbo" if fp8 else None  # FP8 attention's one definition
             route = AttentionRoute(shape.name, backend, fp8, "bench", profile.e4m3 if fp8 else None)
 
             def forward(q, k, v, route=route, causal=shape.causal):

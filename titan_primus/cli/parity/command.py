@@ -15,7 +15,7 @@ Besides the thresholds, every output must be finite and rows of a grouped GEMM p
 group must get exactly zero output and gradient.
 
 FP8 attention (Primus-Turbo's ``flash_attn_fp8_func`` definition, blockwise 64) has no recipes:
-per attention case (causal, full, GQA), the emulation always and Primus-Turbo where it is usable
+per attention case (causal, full, GQA, q/k and v head dims differing), the emulation always and Primus-Turbo where it is usable
 run it through the converter's own call (:func:`titan_primus.attention.attend`); out, dq, dk and
 dv are compared with fp32 SDPA of the same bf16 inputs (20 dB), and Primus-Turbo's with the
 emulation's (40 dB, the same definition).
@@ -34,6 +34,7 @@ import time
 import zlib
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from functools import partial
 from itertools import combinations
 
 import torch
@@ -76,7 +77,6 @@ from ..report import (
 from ...routing import BackendUnavailableError, select_backend
 
 __all__ = [
-    "ATTENTION_RECIPE",
     "DEFAULT_ATTENTION_CASES",
     "DEFAULT_CASES",
     "QUICK_ATTENTION_CASES",
@@ -308,48 +308,12 @@ _GQA_DV_WHY = (
 
 
 def _attention_cases(seq: int, heads: int, head_dim: int) -> tuple[AttentionCase, ...]:
-    half = head_dim // 2
+    case = partial(AttentionCase, seq=seq, heads=heads, kv_heads=heads, head_dim=head_dim, causal=True)
     return (
-        AttentionCase(
-            name="causal",
-            seq=seq,
-            heads=heads,
-            kv_heads=heads,
-            head_dim=head_dim,
-            v_head_dim=head_dim,
-            causal=True,
-            why="causal",
-        ),
-        AttentionCase(
-            name="full",
-            seq=seq,
-            heads=heads,
-            kv_heads=heads,
-            head_dim=head_dim,
-            v_head_dim=head_dim,
-            causal=False,
-            why="no mask",
-        ),
-        AttentionCase(
-            name="gqa_causal",
-            seq=seq,
-            heads=2 * heads,
-            kv_heads=heads,
-            head_dim=head_dim,
-            v_head_dim=head_dim,
-            causal=True,
-            why=_GQA_WHY,
-        ),
-        AttentionCase(
-            name="dv_differs",
-            seq=seq,
-            heads=heads,
-            kv_heads=heads,
-            head_dim=head_dim,
-            v_head_dim=half,
-            causal=True,
-            why=_DV_WHY,
-        ),
+        case(name="causal", v_head_dim=head_dim, why="causal"),
+        case(name="full", v_head_dim=head_dim, causal=False, why="no mask"),
+        case(name="gqa_causal", heads=2 * heads, v_head_dim=head_dim, why=_GQA_WHY),
+        case(name="dv_differs", v_head_dim=head_dim // 2, why=_DV_WHY),
     )
 
 
