@@ -5,7 +5,8 @@
 # adapter (the line AMD Primus pins): the image's own builds become pip constraints, so pip refuses
 # a requirement they do not meet instead of replacing them, and afterwards every one of them must
 # still be there, unchanged. Then the mi300-marked tests, the TorchTitan 0.2.x suite on the image's
-# stack, the parity gate with Primus-Turbo required (ci/gate.sh) and the upgrade gate on TorchTitan
+# stack, the parity gate with Primus-Turbo required (ci/gate.sh; its parity and bench include FP8 and
+# bf16 attention on Primus-Turbo's kernels) and the upgrade gate on TorchTitan
 # 0.2.x's trainer (ci/validate.sh: validate-mi300x.json, .md, .png). Results go to $ARTIFACTS
 # (default artifacts/mi300x in the checkout). Every step after the install runs; the script fails at
 # the end if any did.
@@ -41,6 +42,14 @@ step "mi300-marked tests (real Primus-Turbo kernels)" \
     python -m pytest -q -m mi300 tests/test_mi300_*.py
 step "the TorchTitan 0.2.x suite on the image's stack" python -m pytest -q tests_tt02
 step "parity gate, Primus-Turbo required" ci/gate.sh mi300x --require primus_turbo --compile
+# The gate's parity and bench hold attention too: FP8 attention against fp32 SDPA and the emulation,
+# and Llama3-8B / DeepSeek-V3 attention timed in bf16 (SDPA, Primus-Turbo's flash_attn_func) and FP8
+# (Primus-Turbo's FP8 attention). Refused here if any Primus-Turbo attention row was skipped.
+step "Primus-Turbo attention ran in parity and bench" python -c 'import json, sys
+rows = [r for kind in ("parity", "bench") for r in json.load(open(f"{sys.argv[1]}/{kind}-mi300x.json"))["results"]]
+skipped = [r["case"] + " " + r["recipe"] + ": " + r["reason"] for r in rows
+           if r["op"] == "attention" and r["backend"] == "primus_turbo" and r["status"] == "skipped"]
+sys.exit("Primus-Turbo attention did not run: " + "; ".join(skipped) if skipped else 0)' "$ARTIFACTS"
 step "validate (FP8 vs bf16 on TorchTitan 0.2.x's trainer)" \
     ci/validate.sh mi300x --config examples/torchtitan02/llama3_debug_fp8.toml --steps 300
 # The attention route (docs/attention.md): deepseek_v3's SDPA-causal layers on Primus-Turbo, in

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import titan_primus as tp
 from titan_primus import cli
@@ -194,13 +195,14 @@ def test_parity_quick_passes_on_cpu_and_writes_the_schema(results):
     assert {"date", "versions", "device"} <= set(doc["environment"])
     assert doc["summary"]["ok"] and doc["summary"]["fail"] == doc["summary"]["error"] == 0
     rows = doc["results"]
-    assert {r["op"] for r in rows} == {"linear", "grouped_mm"}
-    assert {r["recipe"] for r in rows} == set(tp.RECIPE_NAMES)
+    assert {r["op"] for r in rows} == {"linear", "grouped_mm", "attention"}
+    assert {r["recipe"] for r in rows if r["op"] != "attention"} == set(tp.RECIPE_NAMES)
     for row in rows:
         if row["status"] == "skipped":
             assert row["reason"], row
         else:
-            assert row["status"] == "pass" and len([c for c in row["checks"] if c["against"] == "fp32"]) == 3
+            quantities = 4 if row["op"] == "attention" else 3  # out, dq, dk, dv; out, grad_input, grad_weight
+            assert row["status"] == "pass" and len([c for c in row["checks"] if c["against"] == "fp32"]) == quantities
     turbo = [r for r in rows if r["backend"] == "primus_turbo"]
     assert turbo and all(r["status"] == "skipped" and ("MI300" in r["reason"] or "fnuz" in r["reason"]) for r in turbo)
     # TorchAO's linear is compared with the emulation of the same (torchao) definition.
@@ -209,6 +211,43 @@ def test_parity_quick_passes_on_cpu_and_writes_the_schema(results):
     # The fnuz-range case runs under gfx942 (this CPU is not FNUZ), emulation only.
     fnuz = [r for r in rows if r["case"] == "fnuz_range" and r["status"] != "skipped"]
     assert fnuz and {(r["device"], r["backend"]) for r in fnuz} == {("gfx942", "emulated")}
+
+
+@pytest.mark.parametrize("name", ["parity_cpu", "parity_gfx942"])
+def test_parity_quick_runs_fp8_attention_on_the_emulation_against_fp32_sdpa(results, name):
+    """Causal, full, GQA and a v head dim below q/k's; measured on this CPU at both profiles'
+    formats (2026-12-02): out 25.6-27.5 dB, dq 23.3-23.9, dk 23.5-24.1, dv 25.2-27.0 against the
+    bar of 20 (Primus-Turbo's own FP8 attention gate)."""
+    doc = strict_json(results[name])
+    rows = [r for r in doc["results"] if r["op"] == "attention"]
+    assert {r["case"] for r in rows} == {"causal", "full", "gqa_causal", "dv_differs"}
+    assert {c["name"] for c in doc["settings"]["cases"] if c["op"] == "attention"} == {r["case"] for r in rows}
+    assert doc["settings"]["thresholds_db"]["fp8_attention_vs_fp32"] == 20
+    emulated = [r for r in rows if r["backend"] == "emulated"]
+    assert len(emulated) == 4 and all(r["status"] == "pass" and r["definition"] == "primus_turbo" for r in emulated)
+    # backend="auto" picks the emulation for FP8 attention on a CPU, nothing under a named gfx942 without Primus-Turbo.
+    assert all(r["routed"] == (name == "parity_cpu") for r in emulated)
+    for row in emulated:
+        db = {c["quantity"]: c["sqnr_db"] for c in row["checks"]}
+        assert {c["against"] for c in row["checks"]} == {"fp32"} and list(db) == ["out", "dq", "dk", "dv"]
+        assert db["out"] > 24.5 and db["dq"] > 22.5 and db["dk"] > 22.5 and db["dv"] > 24.5, row
+    turbo = [r for r in rows if r["backend"] == "primus_turbo"]
+    assert len(turbo) == 4 and all(r["status"] == "skipped" and r["reason"].startswith("unavailable") for r in turbo)
+
+
+def test_parity_fails_fp8_attention_that_returns_nan(monkeypatch):
+    from titan_primus.backends import emulated_attention
+
+    real = emulated_attention.fp8_attention
+
+    def nan_attention(*args, **kwargs):
+        out = real(*args, **kwargs)
+        return out + torch.full_like(out, float("nan"))
+
+    monkeypatch.setattr(emulated_attention, "fp8_attention", nan_attention)
+    (row, _) = parity.run_matrix(tp.detect_device(), (), attention_cases=parity.QUICK_ATTENTION_CASES[:1])
+    assert row.backend == "emulated" and row.status == "fail"
+    assert "out has NaN/inf" in row.reason and "out vs fp32 -inf dB < 20" in row.reason
 
 
 def test_parity_on_the_gfx942_profile_compares_differently_defined_recipes_with_fp32_only(results):
@@ -267,11 +306,33 @@ def test_bench_quick_on_cpu_says_what_cpu_figures_mean(results):
         ("linear", "torchao"),
         ("grouped_mm", "bf16"),
         ("grouped_mm", "emulated"),
+        ("attention", "bf16"),
+        ("attention", "emulated"),
     }
+    attention = [r for r in doc["results"] if r["op"] == "attention"]
+    assert {r["case"] for r in attention} == {"llama3_8b.attention", "deepseek_v3.attention"}
+    assert {(r["backend"], r["recipe"]) for r in attention} == {
+        ("bf16", None),
+        ("primus_turbo", "bf16"),
+        ("primus_turbo", "fp8_blockwise64"),
+        ("emulated", "fp8_blockwise64"),
+    }
+    assert all(r["status"] == "skipped" and "MI300" in r["reason"] for r in attention if r["backend"] == "primus_turbo")
+    assert "attention FLOPs (FlashAttention's convention)" in results["bench_out"]
     for row in measured:  # shapes of the figures, never their values: timings are not asserted
         assert row["ms"] > 0 and row["tflops"] > 0 and row["fraction_of_peak"] is None
         assert (row["speedup_vs_bf16"] is None) == (row["backend"] == "bf16")
     assert all(r["reason"] for r in doc["results"] if r["status"] == "skipped")
+
+
+def test_attention_flops_follow_flash_attentions_convention():
+    """Llama3-8B causal at 8192 tokens: 4*B*H*S^2*D forward, halved; backward 2.5x. DeepSeek-V3's
+    MLA: 2*B*H*S^2*(192 + 128) forward. On a CPU the heads shrink but keep 4 query heads per KV head."""
+    llama, deepseek = bench.ATTENTION_SHAPES
+    assert llama.forward_flops == 4 * 32 * 8192**2 * 128 // 2 and llama.flops == llama.forward_flops * 3.5
+    assert deepseek.forward_flops == 2 * 128 * 8192**2 * (192 + 128) // 2
+    scaled = llama.scaled(64)
+    assert (scaled.seq, scaled.heads.heads, scaled.heads.kv_heads, scaled.heads.head_dim) == (128, 4, 1, 128)
 
 
 def test_peaks_are_found_by_marketing_name():

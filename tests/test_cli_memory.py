@@ -14,7 +14,7 @@ import torch
 import titan_primus as tp
 from titan_primus import cli
 from titan_primus.cli.bench import memory_audit
-from titan_primus.cli.bench.memory_model import BF16, GemmMemory, estimate
+from titan_primus.cli.bench.memory_model import ATTENTION_PATHS, BF16, GemmMemory, attention_saved, estimate
 from titan_primus.cli.bench.model_shapes import ARCHITECTURES
 
 
@@ -46,6 +46,36 @@ def test_bench_memory_audits_every_backend_here_and_writes_json(quick):
     assert models == {"Llama3-8B", "Llama3-70B", "Llama3-405B", "DeepSeek-V3-671B"}
     # TorchAO has no grouped GEMM on a CPU: its columns leave the MoE model out.
     assert not any(e["model"] == "DeepSeek-V3-671B" and e["column"].startswith("torchao") for e in doc["estimates"])
+
+
+def test_bench_memory_models_attention_and_checks_the_emulation_against_its_saved_tensors(quick):
+    path, text = quick
+    doc = json.loads(path.read_text())
+    checked = doc["attention_check"]
+    assert checked["equal"] and checked["modelled_tensors"] == checked["measured_tensors"]
+    assert checked["measured_bytes"] == checked["modelled_bytes"] > 0
+    assert "tensor for tensor equal" in text
+    rows = {(r["model"], r["path"]): r for r in doc["attention"]}
+    assert {m for m, _ in rows} == set(ARCHITECTURES) and {p for _, p in rows} == set(ATTENTION_PATHS)
+    # Llama3-8B at 8192 tokens: q and out 32 heads x 128, k and v 8 heads x 128, bf16; the LSE fp32 per q head.
+    torchtitan = rows["Llama3-8B", ATTENTION_PATHS[0]]
+    assert torchtitan["per_layer_bytes"] == 2 * 8192 * 128 * (32 + 8 + 8 + 32) + 4 * 32 * 8192
+    fp8 = rows["Llama3-8B", ATTENTION_PATHS[2]]
+    assert fp8["qkv_bytes"] == 8192 * 128 * (32 + 8 + 8) and fp8["out_bytes"] == 2 * 8192 * 32 * 128
+    assert fp8["other_bytes"] == 4 * 32 * 2 * 8192 + 4 * (32 + 8 + 8) * 8192 // 64  # LSE/Delta (B, H, 2S), descales
+    assert rows["DeepSeek-V3-671B", ATTENTION_PATHS[2]]["vs_torchtitan"] < fp8["vs_torchtitan"] < 0.75
+
+
+def test_the_attention_model_tells_the_emulation_from_primus_turbos_fp8_path():
+    """The check compares tensor for tensor: the emulation keeps an (B, Hq, S) LSE and heads-first
+    FP8 q/k/v, Primus-Turbo's op a (B, Hq, 2S) LSE/Delta buffer and bshd FP8 q/k/v."""
+    measured = memory_audit.emulated_attention_saved(tp.detect_device())
+    heads, seq = memory_audit.ATTENTION_AUDIT_HEADS, memory_audit.ATTENTION_AUDIT_SEQ
+
+    def modelled(path):
+        return sorted((t.shape, t.element_bytes) for t in attention_saved(path, heads, seq, 1))
+
+    assert measured == modelled(ATTENTION_PATHS[3]) and measured != modelled(ATTENTION_PATHS[2])
 
 
 def test_report_renders_memory_files_with_a_plot(capsys, quick, tmp_path):

@@ -8,7 +8,9 @@ vs fp32 25 dB where the GEMM's operands are e4m3, 20 dB where one is e5m2 (tenso
 50 dB where the GEMM stays in high precision (rowwise_with_gw_hp's wgrad); 40 dB between two runs
 of one recipe definition (accumulation order and result rounding differ, the FP8 operands do not),
 and the sentinel's row floor, half of it (20 dB, about 10% error: a wrong or stale row hides in a
-large tensor's SQNR).
+large tensor's SQNR). FP8 attention (Primus-Turbo's blockwise-64 definition) against fp32 SDPA of
+the same bf16 inputs: 20 dB for out, dq, dk and dv, Primus-Turbo's own FP8 attention gate
+(``tests/pytorch/ops/test_attention.py``).
 """
 
 from __future__ import annotations
@@ -17,13 +19,16 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from .grouping import group_bounds
 from .metrics import sqnr
 from .recipes import Fp8Recipe, GemmCasts
 
 __all__ = [
+    "ATTENTION_QUANTITIES",
     "E4M3_BAR_DB",
+    "FP8_ATTENTION_BAR_DB",
     "E5M2_BAR_DB",
     "HIGH_PRECISION_BAR_DB",
     "QUANTITIES",
@@ -35,10 +40,13 @@ __all__ = [
     "fp32_bars",
     "gemm_bar",
     "make_offsets",
+    "reference_attention",
     "reference_grouped",
     "reference_linear",
+    "run_attention",
     "run_grouped",
     "run_linear",
+    "sdpa",
     "sqnrs",
 ]
 
@@ -48,6 +56,8 @@ E5M2_BAR_DB = 20.0
 HIGH_PRECISION_BAR_DB = 50.0
 SAME_DEFINITION_BAR_DB = 40.0
 SAME_DEFINITION_ROW_BAR_DB = SAME_DEFINITION_BAR_DB / 2
+ATTENTION_QUANTITIES = ("out", "dq", "dk", "dv")
+FP8_ATTENTION_BAR_DB = 20.0
 
 
 # --- fp32 references and forward+backward runs --------------------------------------------
@@ -97,6 +107,28 @@ def reference_grouped(A, W, offs, grad_out):
         return out
 
     return run_grouped(fp32, A, W, offs, grad_out.float())
+
+
+def run_attention(fn, q, k, v, grad_out):
+    """(out, dq, dk, dv) of ``fn(q, k, v)`` on bshd (B, L, H, D) tensors for upstream gradient ``grad_out``."""
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = fn(q, k, v)
+    out.backward(grad_out.to(out.dtype))
+    return out, q.grad, k.grad, v.grad
+
+
+def sdpa(q, k, v, *, causal: bool):
+    """torch's SDPA of bshd (B, L, H, D) tensors, bshd out: softmax scale 1/sqrt(D), kv heads
+    shared by query-head groups."""
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True).transpose(1, 2)
+
+
+def reference_attention(q, k, v, grad_out, *, causal: bool):
+    """fp32 :func:`sdpa` of the same (possibly bf16-rounded) bshd inputs."""
+    return run_attention(
+        lambda q, k, v: sdpa(q.float(), k.float(), v.float(), causal=causal), q, k, v, grad_out.float()
+    )
 
 
 def sqnrs(reference, actual) -> list[float]:
@@ -178,11 +210,16 @@ def compare(
 
 
 def compare_quantities(
-    reference: dict, actual: dict, bit_exact: bool = False, row_floor_db: float | None = None
+    reference: dict,
+    actual: dict,
+    bit_exact: bool = False,
+    row_floor_db: float | None = None,
+    quantities: tuple[str, ...] = QUANTITIES,
 ) -> list[QuantityCheck]:
-    """:func:`compare` of each quantity (out, grad_input, grad_weight) present in both."""
+    """:func:`compare` of each of ``quantities`` (a GEMM's out, grad_input, grad_weight; FP8
+    attention's :data:`ATTENTION_QUANTITIES`) present in both."""
     return [
         compare(q, reference[q], actual[q], bit_exact, row_floor_db)
-        for q in QUANTITIES
+        for q in quantities
         if reference.get(q) is not None and actual.get(q) is not None
     ]

@@ -86,7 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="torch.compile each forward, as TorchTitan compiles its blocks (TorchAO fuses its casts only then)",
     )
-    bench.add_argument("--quick", action="store_true", help="one shape per op, one iteration (for tests)")
+    bench.add_argument(
+        "--quick", action="store_true", help="one GEMM shape per op, both attention shapes, one iteration (for tests)"
+    )
     bench.add_argument(
         "--fsdp-ranks",
         type=_positive,

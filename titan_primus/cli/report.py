@@ -168,9 +168,9 @@ def _ran(labelled: list[tuple[str, dict]], kind: str, keep=lambda row: True) -> 
 
 
 def _parity_cell(row: dict) -> str:
-    fp32 = {c["quantity"]: c["sqnr_db"] for c in row["checks"] if c["against"] == "fp32"}
+    fp32 = [c["sqnr_db"] for c in row["checks"] if c["against"] == "fp32"]
     cross = [c for c in row["checks"] if c["against"] != "fp32"]
-    text = " / ".join(format_db(fp32.get(q)) for q in ("out", "grad_input", "grad_weight"))
+    text = " / ".join(format_db(db) for db in fp32) or "-"
     if cross:
         text += f"; vs {cross[0]['against']} {format_db(min(parse_db(c['sqnr_db']) for c in cross))}"
     return f"{text} {row['status']}"
@@ -194,7 +194,10 @@ def render_markdown(labelled: list[tuple[str, dict]]) -> str:
     if any(doc["kind"] == "parity" for _, doc in labelled):
         out += [
             "",
-            '## Parity: what backend="auto" runs, SQNR vs fp32 in dB (out / grad_input / grad_weight)',
+            (
+                '## Parity: what backend="auto" runs, SQNR vs fp32 in dB (out / grad_input / grad_weight; '
+                "attention: out / dq / dk / dv)"
+            ),
             "",
             _side_by_side(
                 _ran(labelled, "parity", lambda r: r["routed"]),

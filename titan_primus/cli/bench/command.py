@@ -13,7 +13,15 @@ Shapes (M rows x K in -> N out):
   Qwen3-235B-A22B (dim 4096, expert FFN 1536, 128 experts, top-8), from TorchTitan 0.3.0
   ``models/deepseek_v3`` (``_671b``) and ``models/qwen3`` (``_235b_a22b``): 8 local experts per
   rank (expert parallelism 32 and 16), 8192 tokens x top-8 = 65536 rows, balanced.
-On a CPU every dimension is divided by 16, and the figures are not FP8 performance.
+- Attention of Llama3-8B (32 query heads, 8 KV heads, head dim 128) and DeepSeek-V3-671B (MLA: 128
+  heads, q/k head dim 192, v head dim 128), causal, one 8192-token sequence: torch's SDPA in bf16
+  (the baseline), Primus-Turbo's ``flash_attn_func`` (bf16) and its FP8 attention
+  (``flash_attn_fp8_func``, blockwise 64), through the converter's own call (``attend``). FLOPs,
+  FlashAttention's convention: forward 2*B*H*Sq*Sk*(D + Dv) (4*B*H*Sq*Sk*D where D == Dv),
+  halved for causal; backward 2.5x forward. The emulated FP8 attention is an exact reference,
+  not a performance path: timed on a CPU only (so the code path runs), skipped on a GPU.
+On a CPU every GEMM dimension is divided by 16 (attention: the sequence and the heads, keeping the
+head dims and the query heads per KV head), and the figures are not FP8 performance.
 
 Timing: on CUDA/ROCm, device events around ``iters`` steps after ``warmup`` untimed ones; on a
 CPU, wall-clock time. Eager by default; ``compile`` wraps each forward in ``torch.compile`` (as
@@ -31,8 +39,11 @@ import torch
 import torch.nn.functional as F
 
 from ... import registry
+from ...attention import AttentionRoute, AttentionSite, attend
 from ...device import DeviceProfile, detect_device
-from ..doctor import describe_error, environment, why_not
+from ...numerics import sdpa
+from ..doctor import ATTENTION_RECIPE, attention_why_not, describe_error, environment, why_not
+from .model_shapes import ARCHITECTURES, AttentionHeads
 from .ep_traffic import ep_traffic_rows, render_ep_traffic
 from .fsdp_traffic import render_traffic, traffic_rows
 from .sentinel_cost import render_sentinel_cost, sentinel_cost
@@ -40,7 +51,9 @@ from ..report import document, markdown_table, prepare_output, skip_lines, write
 from ...routing import RoutingDecision, select_backend
 
 __all__ = [
+    "ATTENTION_SHAPES",
     "DATASHEET_PEAKS",
+    "AttentionShape",
     "GROUPED_SHAPES",
     "LINEAR_SHAPES",
     "BenchShape",
@@ -73,6 +86,45 @@ class BenchShape:
         return f"M={self.m} K={self.k} N={self.n}{experts}"
 
 
+@dataclass(frozen=True)
+class AttentionShape:
+    name: str
+    heads: AttentionHeads
+    seq: int
+    batch: int = 1
+    causal: bool = True
+    op = "attention"
+
+    @property
+    def forward_flops(self) -> int:
+        """S = QK^T and O = PV: 2*B*H*Sq*Sk*(D + Dv), halved for causal."""
+        h = self.heads
+        full = 2 * self.batch * h.heads * self.seq * self.seq * (h.head_dim + h.v_head_dim)
+        return full // 2 if self.causal else full
+
+    @property
+    def flops(self) -> int:
+        """Forward + backward, the backward 2.5x the forward."""
+        return self.forward_flops * 7 // 2
+
+    def scaled(self, divisor: int) -> AttentionShape:
+        """The sequence (a multiple of 64, FP8 attention's blocks) and the heads divided, the head dims
+        and the query heads per KV head kept."""
+        h = self.heads
+        group = h.heads // h.kv_heads
+        heads = max(h.heads // divisor, group)
+        seq = max(64, self.seq // divisor // 64 * 64)
+        return replace(self, heads=replace(h, heads=heads, kv_heads=heads // group), seq=seq)
+
+    def site(self) -> AttentionSite:
+        return AttentionSite(causal=self.causal, head_dims=(self.heads.head_dim, self.heads.v_head_dim))
+
+    def describe(self) -> str:
+        h = self.heads
+        mask = "causal" if self.causal else "full"
+        return f"B={self.batch} S={self.seq} Hq={h.heads} Hkv={h.kv_heads} D={h.head_dim} Dv={h.v_head_dim} {mask}"
+
+
 _TOKENS = 8192
 _ROUTED_ROWS = _TOKENS * 8  # top-8 routing, balanced over a rank's local experts
 
@@ -95,6 +147,24 @@ def _experts(name: str, dim: int, hidden: int) -> list[BenchShape]:
 
 LINEAR_SHAPES = (*_llama3("llama3_8b", 4096, 1024, 14336), *_llama3("llama3_70b", 8192, 1024, 28672))
 GROUPED_SHAPES = (*_experts("deepseek_v3", 7168, 2048), *_experts("qwen3_235b", 4096, 1536))
+ATTENTION_SHAPES = (
+    AttentionShape("llama3_8b.attention", ARCHITECTURES["Llama3-8B"].attention, _TOKENS),
+    AttentionShape("deepseek_v3.attention", ARCHITECTURES["DeepSeek-V3-671B"].attention, _TOKENS),
+)
+ATTENTION_FLOPS = (
+    "attention FLOPs (FlashAttention's convention): forward 2*B*H*Sq*Sk*(D+Dv) (4*B*H*Sq*Sk*D for D = Dv), "
+    "halved for causal; backward 2.5x forward"
+)
+# (backend, recipe, FP8?) of each attention measurement besides the bf16 SDPA baseline.
+_ATTENTION_PATHS = (
+    ("primus_turbo", "bf16", False),
+    ("primus_turbo", ATTENTION_RECIPE, True),
+    ("emulated", ATTENTION_RECIPE, True),
+)
+_EMULATION_ON_GPU = (
+    "not a performance path: the emulated FP8 attention is an exact reference of Primus-Turbo's (float64 dot "
+    "products, a Python loop over 64-token blocks); timed on a CPU only, so the code path runs"
+)
 CPU_DIVISOR = 16
 QUICK_CPU_DIVISOR = 64
 
@@ -126,7 +196,9 @@ def cpu_note(divisor: int) -> str:
     return (
         "CPU figures are not FP8 performance: a CPU has no FP8 matrix units, the emulated backend runs fp32 "
         "matmuls around FP8 quantization, and TorchAO's CPU _scaled_mm is a reference kernel. Shapes are the "
-        f"model shapes divided by {divisor}. Run on an MI300-class or SM89+ GPU for FP8 throughput."
+        f"model shapes divided by {divisor} (attention: its sequence and heads; the emulated FP8 attention is an "
+        "exact reference, timed here only so its code path runs). Run on an MI300-class or SM89+ GPU for FP8 "
+        "throughput."
     )
 
 
@@ -170,6 +242,20 @@ def _step(shape: BenchShape, device: torch.device, forward):
     return step
 
 
+def _attention_step(shape: AttentionShape, device: torch.device, forward):
+    """A forward+backward closure of ``forward(q, k, v)`` on bshd bf16 tensors."""
+    h, B, S = shape.heads, shape.batch, shape.seq
+    dims = ((h.heads, h.head_dim), (h.kv_heads, h.head_dim), (h.kv_heads, h.v_head_dim))
+    q, k, v = (torch.randn(B, S, n, d, device=device, dtype=torch.bfloat16, requires_grad=True) for n, d in dims)
+    grad = torch.randn(B, S, h.heads, h.v_head_dim, device=device, dtype=torch.bfloat16)
+
+    def step():
+        out = forward(q, k, v)
+        torch.autograd.grad(out, (q, k, v), grad)
+
+    return step
+
+
 def _bf16(shape: BenchShape):
     if shape.op == "linear":
         return lambda a, w, offs: F.linear(a, w)
@@ -185,7 +271,7 @@ def _fp8(shape: BenchShape, decision: RoutingDecision):
 
 
 def _measure(
-    row: dict, shape: BenchShape, forward, timing: tuple[int, int], device: torch.device, compile: bool
+    row: dict, shape, forward, timing: tuple[int, int], device: torch.device, compile: bool, make_step=_step
 ) -> None:
     if compile:
         # Every measurement's closure shares one code object: without a reset, dynamo's recompile
@@ -193,14 +279,22 @@ def _measure(
         torch._dynamo.reset()
         forward = torch.compile(forward)
     try:
-        ms = _time_ms(_step(shape, device, forward), *timing, on_gpu=device.type == "cuda")
+        ms = _time_ms(make_step(shape, device, forward), *timing, on_gpu=device.type == "cuda")
     except Exception as e:  # one backend breaking must not hide the others' figures
         row.update(status="error", reason=describe_error(e))
         return
     row.update(status="ok", ms=ms, tflops=shape.flops / ms / 1e9)
 
 
-def _row(shape: BenchShape, backend: str, recipe: str | None) -> dict:
+def _against(row: dict, baseline: dict, peak_tflops: float | None) -> None:
+    """A measured row's speed-up over the bf16 baseline and fraction of ``peak_tflops``."""
+    if row["status"] == "ok" and baseline["status"] == "ok":
+        row["speedup_vs_bf16"] = baseline["ms"] / row["ms"]
+    if row["status"] == "ok" and peak_tflops:
+        row["fraction_of_peak"] = row["tflops"] / peak_tflops
+
+
+def _row(shape: BenchShape | AttentionShape, backend: str, recipe: str | None) -> dict:
     return {
         "op": shape.op,
         "case": shape.name,
@@ -241,10 +335,46 @@ def run_bench(
                 decision = select_backend(shape.op, recipe, profile, backend.name, k=shape.k, n=shape.n)
                 row["definition"] = decision.recipe.definition
                 _measure(row, shape, _fp8(shape, decision), timing, device, compile)
-                if row["status"] == "ok" and baseline["status"] == "ok":
-                    row["speedup_vs_bf16"] = baseline["ms"] / row["ms"]
-                if row["status"] == "ok" and peak:
-                    row["fraction_of_peak"] = row["tflops"] / peak.fp8
+                _against(row, baseline, peak and peak.fp8)
+    return rows
+
+
+def run_attention_bench(shapes, timing: tuple[int, int], profile: DeviceProfile, compile: bool = False) -> list[dict]:
+    """Per attention shape: bf16 SDPA, then each path of :data:`_ATTENTION_PATHS` that runs here."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    found = peak_for(profile.name)
+    peak = found[1] if found else None
+    rows = []
+    for shape in shapes:
+        baseline = _row(shape, "bf16", None)
+        _measure(
+            baseline,
+            shape,
+            lambda q, k, v: sdpa(q, k, v, causal=shape.causal),
+            timing,
+            device,
+            compile,
+            _attention_step,
+        )
+        if peak and baseline["tflops"]:
+            baseline["fraction_of_peak"] = baseline["tflops"] / peak.bf16
+        rows.append(baseline)
+        for backend, recipe, fp8 in _ATTENTION_PATHS:
+            row = _row(shape, backend, recipe)
+            rows.append(row)
+            row["reason"] = attention_why_not(backend, profile, shape.site(), fp8)
+            if not row["reason"] and backend == "emulated" and device.type != "cpu":
+                row["reason"] = _EMULATION_ON_GPU
+            if row["reason"]:
+                continue
+            row["definition"] = "primus_turbo" if fp8 else None  # FP8 attention's one definition
+            route = AttentionRoute(shape.name, backend, fp8, "bench", profile.e4m3 if fp8 else None)
+
+            def forward(q, k, v, route=route, causal=shape.causal):
+                return attend(route, q, k, v, scale=None, causal=causal)
+
+            _measure(row, shape, forward, timing, device, compile, _attention_step)
+            _against(row, baseline, peak and (peak.fp8 if fp8 else peak.bf16))
     return rows
 
 
@@ -270,6 +400,8 @@ def render(
         lines.append(f"no datasheet peak known for {profile.name!r}: fraction of peak not reported")
     if note:
         lines.append(note)
+    if any(r["op"] == "attention" for r in rows):
+        lines.append(ATTENTION_FLOPS)
     lines.append("")
     table = [
         [
@@ -321,10 +453,12 @@ def command(
     on_gpu = profile.kind != "cpu"
     divisor = 1 if on_gpu else QUICK_CPU_DIVISOR if quick else CPU_DIVISOR
     shapes = [s.scaled(divisor) for s in shapes]
+    attention_shapes = [s.scaled(divisor) for s in ATTENTION_SHAPES]
     note = "" if on_gpu else cpu_note(divisor)
     timing = (warmup or (1 if quick or not on_gpu else 5), iters or (1 if quick else 20 if on_gpu else 3))
     started = time.perf_counter()
     rows = run_bench(shapes, recipes, timing, profile, compile)
+    rows += run_attention_bench(attention_shapes, timing, profile, compile)
     seconds = time.perf_counter() - started
     mode = "torch.compile" if compile else "eager"
     out.write(render(rows, profile, timing, mode, note, seconds))
@@ -345,6 +479,7 @@ def command(
             "shape_divisor": divisor,
             "peak": {"device": found[0], "fp8_tflops": found[1].fp8, "bf16_tflops": found[1].bf16} if found else None,
             "note": note,
+            "attention_flops": ATTENTION_FLOPS,
             "fsdp_all_gather_model": traffic_rows(fsdp_ranks),
             "ep_all_to_all_model": ep_traffic_rows(),
             "sentinel_cost": cost,

@@ -10,10 +10,13 @@ backward, and what that makes of a model's memory per rank under FSDP2.
    bf16 and TorchAO's Float8Linear (the ``torchao`` backend's rows) on the same shapes.
 3. On a GPU: the peak memory of a few converted blocks under FSDP2, measured
    (``torch.cuda.max_memory_allocated``), beside the same blocks in bf16.
+4. What each attention path keeps for backward per layer (a MODEL, :func:`.memory_model.attention_rows`),
+   the emulated FP8 attention's row checked against the tensors it saves on a small shape.
 """
 
 from __future__ import annotations
 
+import math
 import socket
 import time
 from collections import Counter
@@ -22,16 +25,35 @@ import torch
 import torch.nn.functional as F
 
 from ... import registry
+from ...attention import AttentionRoute, attend
 from ...backends.base import OPS
 from ...device import DeviceProfile
 from ...fsdp_fp8 import fp8_all_gather_plan
-from ...memory import AUDIT_SHAPES, CATEGORIES, audit_layer
+from ...memory import AUDIT_SHAPES, CATEGORIES, audit_layer, recording_saved_tensors
 from ...routing import select_backend
 from ..doctor import describe_error, environment, resolve_profile, why_not
-from .memory_model import ASSUMPTIONS, BF16, GemmMemory, estimate_rows, selective_ac_rows
+from .memory_model import (
+    ASSUMPTIONS,
+    ATTENTION_PATHS,
+    BF16,
+    GemmMemory,
+    attention_rows,
+    attention_saved,
+    estimate_rows,
+    selective_ac_rows,
+)
+from .model_shapes import AttentionHeads
 from ..report import document, markdown_table, prepare_output, skip_lines, write_document
 
-__all__ = ["audit_rows", "command", "gemm_memory_columns", "gpu_peak_rows", "render"]
+__all__ = [
+    "ATTENTION_AUDIT_HEADS",
+    "attention_check",
+    "audit_rows",
+    "command",
+    "gemm_memory_columns",
+    "gpu_peak_rows",
+    "render",
+]
 
 PATHS = ("eager", "compiled")
 
@@ -142,6 +164,42 @@ def gemm_memory_columns(rows: list[dict]) -> dict[str, dict[bool, GemmMemory | N
     return columns
 
 
+# --- the attention model, checked against the emulation's saved tensors ---------------------
+
+# Every dimension distinct (so a tensor's shape tells what it is); GQA, and v's head dim below q/k's.
+ATTENTION_AUDIT_HEADS = AttentionHeads(heads=4, kv_heads=2, head_dim=96, v_head_dim=32)
+ATTENTION_AUDIT_SEQ = 192
+
+
+def emulated_attention_saved(profile: DeviceProfile) -> list[tuple[tuple[int, ...], int]]:
+    """(shape, bytes per element) of each tensor the emulated FP8 attention saves for backward
+    on :data:`ATTENTION_AUDIT_HEADS`, batch 1, measured (``saved_tensors_hooks``)."""
+    h, S = ATTENTION_AUDIT_HEADS, ATTENTION_AUDIT_SEQ
+    dims = ((h.heads, h.head_dim), (h.kv_heads, h.head_dim), (h.kv_heads, h.v_head_dim))
+    q, k, v = (torch.randn(1, S, n, d, dtype=torch.bfloat16, requires_grad=True) for n, d in dims)
+    route = AttentionRoute("memory audit", "emulated", True, "bench --memory", profile.e4m3)
+    with recording_saved_tensors() as saved:
+        attend(route, q, k, v, scale=None, causal=True)
+    return sorted((tuple(t.shape), t.element_size()) for t in saved)
+
+
+def attention_check(profile: DeviceProfile) -> dict:
+    """The emulated FP8 attention's modelled saved tensors against those it saves."""
+    model = attention_saved(ATTENTION_PATHS[3], ATTENTION_AUDIT_HEADS, ATTENTION_AUDIT_SEQ, 1)
+    modelled = sorted((t.shape, t.element_bytes) for t in model)
+    measured = emulated_attention_saved(profile)
+    h = ATTENTION_AUDIT_HEADS
+    return {
+        "path": ATTENTION_PATHS[3],
+        "shape": f"B=1 S={ATTENTION_AUDIT_SEQ} Hq={h.heads} Hkv={h.kv_heads} D={h.head_dim} Dv={h.v_head_dim} causal",
+        "modelled_bytes": sum(t.bytes for t in model),
+        "measured_bytes": sum(math.prod(shape) * size for shape, size in measured),
+        "modelled_tensors": [{"shape": list(shape), "element_bytes": size} for shape, size in modelled],
+        "measured_tensors": [{"shape": list(shape), "element_bytes": size} for shape, size in measured],
+        "equal": modelled == measured,
+    }
+
+
 # --- measured on a GPU: a few converted blocks under FSDP2 -----------------------------------
 
 
@@ -247,6 +305,10 @@ def _gib(value: float) -> str:
     return f"{value / 2**30:.1f}"
 
 
+def _mib(value: float) -> str:
+    return f"{value / 2**20:.2f}"
+
+
 def render(
     rows: list[dict],
     estimates: list[dict],
@@ -254,6 +316,8 @@ def render(
     profile: DeviceProfile,
     settings: dict,
     seconds: float,
+    attention: list[dict],
+    attention_checked: dict,
 ) -> str:
     shapes = ", ".join(f"{op} {s.describe()}" for op, s in AUDIT_SHAPES.items())
     lines = [
@@ -369,6 +433,42 @@ def render(
             ],
         ),
     ]
+    checked = attention_checked
+    lines += [
+        "",
+        f"Attention: bytes each path keeps for backward per layer, MODELLED from shapes (sequence "
+        f"{settings['seq_len']}, local batch {settings['local_batch']}; titan_primus/cli/bench/memory_model.py); "
+        f"the emulated FP8 attention's row checked against the tensors it saves ({checked['shape']}, "
+        f"saved_tensors_hooks): model {checked['modelled_bytes']:,} B, measured {checked['measured_bytes']:,} B, "
+        + ("tensor for tensor equal" if checked["equal"] else "DIFFERENT (the model is wrong)"),
+        markdown_table(
+            [
+                "model",
+                "path",
+                "q, k, v MiB",
+                "out MiB",
+                "LSE, scales MiB",
+                "per layer MiB",
+                "x TorchTitan",
+                "layers",
+                "all layers GiB",
+            ],
+            [
+                [
+                    r["model"],
+                    r["path"],
+                    _mib(r["qkv_bytes"]),
+                    _mib(r["out_bytes"]),
+                    _mib(r["other_bytes"]),
+                    _mib(r["per_layer_bytes"]),
+                    f"{r['vs_torchtitan']:.3f}",
+                    r["layers"],
+                    _gib(r["all_layers_bytes"]),
+                ]
+                for r in attention
+            ],
+        ),
+    ]
     lines.append("")
     if gpu is None:
         lines.append("GPU peak memory of converted blocks under FSDP2: not measured (no GPU here)")
@@ -414,6 +514,8 @@ def command(
     rows = audit_rows(profile, recipes, paths)
     estimates = estimate_rows(gemm_memory_columns(rows), fsdp_ranks, seq_len, local_batch)
     gpu = gpu_peak_rows(profile, recipes) if torch.cuda.is_available() and profile.detected else None
+    attention = attention_rows(seq_len, local_batch)
+    checked = attention_check(profile)
     seconds = time.perf_counter() - started
     settings = {
         "recipes": recipes,
@@ -425,8 +527,9 @@ def command(
         "assumptions": ASSUMPTIONS,
         "shapes": {op: s.describe() for op, s in AUDIT_SHAPES.items()},
     }
-    out.write(render(rows, estimates, gpu, profile, settings, seconds))
+    out.write(render(rows, estimates, gpu, profile, settings, seconds, attention, checked))
     counts = Counter(r["status"] for r in rows)
+    counts["error"] += not checked["equal"]
     if json_path:
         summary = {status: counts[status] for status in ("ok", "error", "skipped")}
         summary["seconds"] = round(seconds, 2)
@@ -434,6 +537,8 @@ def command(
         doc["estimates"] = estimates
         doc["selective_ac"] = selective_ac_rows(seq_len, local_batch)
         doc["gpu_peak"] = gpu
+        doc["attention"] = attention
+        doc["attention_check"] = checked
         write_document(json_path, doc)
         out.write(f"JSON written to {json_path}\n")
     return 1 if counts["error"] else 0

@@ -1,4 +1,4 @@
-"""Memory per rank of a model under FSDP2, MODELLED from its shapes and from the per-layer audit
+"""Memory per rank of a model under FSDP2, and what each attention path keeps per layer, MODELLED from its shapes and from the per-layer audit
 (what one converted GEMM keeps from forward to backward, measured by ``bench --memory``): not a
 measurement. Assumptions (stated in every output):
 
@@ -17,6 +17,21 @@ measurement. Assumptions (stated in every output):
 - Not included: attention, norm and elementwise activations, and gradients in flight: the same
   in every column.
 
+Attention (:func:`attention_saved`, :func:`attention_rows`): the tensors each attention path saves
+for backward per layer, from the layer's shapes, as its autograd function saves them (B batch, S
+sequence, Hq / Hkv heads, D / Dv head dims; bf16 2 bytes, FP8 1, fp32 4):
+
+- TorchTitan's own (SDPA's flash / memory-efficient kernels, varlen): q, k, v and out in bf16, the
+  fp32 log-sum-exp (B, Hq, S); the philox seed and offset (a few bytes) left out.
+- Primus-Turbo ``flash_attn_func`` (bf16, ``AiterFlashAttnFunc.forward``): q, k, v (head dims padded
+  to multiples of 8), ``out_padded`` (bf16), ``softmax_lse`` fp32 (B, Hq, S), ``rng_state`` (taken
+  as 2 int64, as Primus-Turbo builds it on its sink path; AITER's own is not read here).
+- Primus-Turbo FP8 attention (``TritonFlashAttnFunc``, and titan-primus's opaque op around it):
+  FP8 q, k, v, bf16 out, the fp32 (B, Hq, 2S) LSE/Delta buffer, fp32 descales (B, H, S/64) of q, k, v.
+- The emulated FP8 attention: the same, but its LSE is (B, Hq, S) (its backward computes Delta
+  itself) and its FP8 q, k, v are heads-first; ``bench --memory`` checks this row against the
+  tensors it saves on a small shape.
+
 Selective activation checkpointing (:func:`selective_ac_rows`): the GEMM outputs (bf16, 2 bytes per
 element, as every backend's GEMMs return them) each per-op policy saves in the checkpointed
 blocks, and the share of the blocks' forward GEMM FLOPs it runs again in backward. The GEMMs run in
@@ -28,11 +43,24 @@ SelectiveAC recomputes every second ``aten.mm`` and the router gate, saves no
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from .model_shapes import ARCHITECTURES, Architecture, Block, Gemm
+from .model_shapes import ARCHITECTURES, Architecture, AttentionHeads, Block, Gemm
 
-__all__ = ["GemmMemory", "BF16", "ASSUMPTIONS", "SAC_POLICIES", "estimate", "estimate_rows", "selective_ac_rows"]
+__all__ = [
+    "ASSUMPTIONS",
+    "ATTENTION_PATHS",
+    "BF16",
+    "SAC_POLICIES",
+    "GemmMemory",
+    "SavedTensor",
+    "attention_rows",
+    "attention_saved",
+    "estimate",
+    "estimate_rows",
+    "selective_ac_rows",
+]
 
 ASSUMPTIONS = (
     "MODEL, not a measurement: FSDP2 only (no TP/EP/PP), fp32 weights + grads + AdamW sharded (16 B/param), "
@@ -190,6 +218,98 @@ def selective_ac_rows(seq_len: int, local_batch: int) -> list[dict]:
                     "local_batch": local_batch,
                     "kept_gemm_output_bytes": kept,
                     "forward_flops_recomputed": recomputed / flops,
+                }
+            )
+    return rows
+
+
+# --- attention: what each path keeps for backward, per layer --------------------------------
+
+ATTENTION_PATHS = (
+    "TorchTitan (SDPA / flash, bf16)",
+    "Primus-Turbo flash_attn_func (bf16)",
+    "Primus-Turbo FP8 attention",
+    "emulated FP8 attention",
+)
+_FP8_BLOCK = 64  # one scale per 64 tokens
+
+
+@dataclass(frozen=True)
+class SavedTensor:
+    name: str
+    shape: tuple[int, ...]
+    element_bytes: int
+
+    @property
+    def bytes(self) -> int:
+        return math.prod(self.shape) * self.element_bytes
+
+
+def _padded8(d: int) -> int:
+    return -(-d // 8) * 8
+
+
+def attention_saved(path: str, heads: AttentionHeads, seq: int, batch: int) -> tuple[SavedTensor, ...]:
+    """The tensors ``path`` (one of :data:`ATTENTION_PATHS`) saves for backward in one layer."""
+    B, S, Hq, Hkv, D, Dv = batch, seq, heads.heads, heads.kv_heads, heads.head_dim, heads.v_head_dim
+    if path in ATTENTION_PATHS[:2]:
+        if path == ATTENTION_PATHS[1]:  # AiterFlashAttnFunc pads the head dims to multiples of 8
+            D, Dv = _padded8(D), _padded8(Dv)
+        saved = (
+            SavedTensor("q", (B, S, Hq, D), 2),
+            SavedTensor("k", (B, S, Hkv, D), 2),
+            SavedTensor("v", (B, S, Hkv, Dv), 2),
+            SavedTensor("out", (B, S, Hq, Dv), 2),
+            SavedTensor("lse", (B, Hq, S), 4),
+        )
+        return saved + ((SavedTensor("rng_state", (2,), 8),) if path == ATTENTION_PATHS[1] else ())
+    blocks = S // _FP8_BLOCK
+    descales = tuple(
+        SavedTensor(f"{name}_descale", (B, h, blocks), 4) for name, h in (("q", Hq), ("k", Hkv), ("v", Hkv))
+    )
+    if path == ATTENTION_PATHS[2]:
+        fp8 = (
+            SavedTensor("q", (B, S, Hq, D), 1),
+            SavedTensor("k", (B, S, Hkv, D), 1),
+            SavedTensor("v", (B, S, Hkv, Dv), 1),
+        )
+        lse = SavedTensor("lse_delta", (B, Hq, 2 * S), 4)
+    elif path == ATTENTION_PATHS[3]:
+        fp8 = (
+            SavedTensor("q", (B, Hq, S, D), 1),
+            SavedTensor("k", (B, Hkv, S, D), 1),
+            SavedTensor("v", (B, Hkv, S, Dv), 1),
+        )
+        lse = SavedTensor("lse", (B, Hq, S), 4)
+    else:
+        raise ValueError(f"unknown attention path {path!r}; known: {', '.join(ATTENTION_PATHS)}")
+    return (*fp8, SavedTensor("out", (B, S, Hq, Dv), 2), lse, *descales)
+
+
+def attention_rows(seq_len: int, local_batch: int) -> list[dict]:
+    """Per model and attention path: bytes kept for backward per layer (q/k/v, out, the rest) and
+    over all the model's layers, and the ratio to TorchTitan's own attention."""
+    rows = []
+    for name, arch in ARCHITECTURES.items():
+        layers = sum(b.count for b in arch.blocks)
+        torchtitan = None
+        for path in ATTENTION_PATHS:
+            saved = attention_saved(path, arch.attention, seq_len, local_batch)
+            per_layer = sum(t.bytes for t in saved)
+            torchtitan = torchtitan or per_layer
+            rows.append(
+                {
+                    "model": name,
+                    "path": path,
+                    "seq_len": seq_len,
+                    "local_batch": local_batch,
+                    "qkv_bytes": sum(t.bytes for t in saved if t.name in ("q", "k", "v")),
+                    "out_bytes": sum(t.bytes for t in saved if t.name == "out"),
+                    "other_bytes": sum(t.bytes for t in saved if t.name not in ("q", "k", "v", "out")),
+                    "per_layer_bytes": per_layer,
+                    "layers": layers,
+                    "all_layers_bytes": layers * per_layer,
+                    "vs_torchtitan": per_layer / torchtitan,
                 }
             )
     return rows

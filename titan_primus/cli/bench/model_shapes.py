@@ -1,15 +1,16 @@
-"""The GEMMs of the models the CLI models (FSDP2 all-gather traffic, memory per rank), from
+"""The GEMMs and attention of the models the CLI models (FSDP2 all-gather traffic, memory per rank), from
 TorchTitan 0.3.0's model definitions: ``models/llama3/__init__.py`` (``_8b``, ``_70b``,
 ``_405b``) and ``models/deepseek_v3/__init__.py`` (``_671b``: MLA attention, 3 dense + 58 MoE
-layers, 256 routed experts of hidden 2048 with top-8 routing, one shared expert). Only shapes:
-nothing here is measured.
+layers, 256 routed experts of hidden 2048 with top-8 routing, one shared expert; MLA attention
+computes 128 heads of q/k head dim 128 + 64 (nope + rope) = 192 and v head dim 128). Only
+shapes: nothing here is measured.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Gemm", "Block", "Architecture", "ARCHITECTURES"]
+__all__ = ["Gemm", "Block", "Architecture", "AttentionHeads", "ARCHITECTURES"]
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,17 @@ class Gemm:
 
 
 @dataclass(frozen=True)
+class AttentionHeads:
+    """What one attention layer computes over, per token: its heads and head dims."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    """Query/key head dim."""
+    v_head_dim: int
+
+
+@dataclass(frozen=True)
 class Block:
     count: int
     """Transformer blocks of this kind."""
@@ -42,6 +54,7 @@ class Architecture:
     dim: int
     vocab: int
     blocks: tuple[Block, ...]
+    attention: AttentionHeads
     experts: int = 0
     top_k: int = 0
     fused_qkv: bool = False
@@ -65,7 +78,7 @@ class Architecture:
         return self.vocab * self.dim + blocks + self.dim + self.weight_numel(self.output)
 
 
-def _llama3(name: str, layers: int, dim: int, kv_dim: int, ffn: int, vocab: int = 128256) -> Architecture:
+def _llama3(name: str, layers: int, dim: int, heads: int, kv_dim: int, ffn: int, vocab: int = 128256) -> Architecture:
     gemms = (
         Gemm("wq", dim, dim, "attention input"),
         Gemm("wk", dim, kv_dim, "attention input"),
@@ -75,7 +88,9 @@ def _llama3(name: str, layers: int, dim: int, kv_dim: int, ffn: int, vocab: int 
         Gemm("w3", dim, ffn, "ffn input"),
         Gemm("w2", ffn, dim, "ffn hidden"),
     )
-    return Architecture(name, dim, vocab, (Block(layers, gemms, 2 * dim),), fused_qkv=True)
+    head_dim = dim // heads
+    attention = AttentionHeads(heads, kv_dim // head_dim, head_dim, head_dim)
+    return Architecture(name, dim, vocab, (Block(layers, gemms, 2 * dim),), attention, fused_qkv=True)
 
 
 def _deepseek_v3_671b() -> Architecture:
@@ -107,14 +122,15 @@ def _deepseek_v3_671b() -> Architecture:
         dim,
         129280,
         (Block(3, attention + dense, norms), Block(58, attention + moe, norms)),
+        AttentionHeads(heads, heads, nope + rope, v),
         experts=256,
         top_k=8,
     )
 
 
 ARCHITECTURES = {
-    "Llama3-8B": _llama3("Llama3-8B", 32, 4096, 1024, 14336),
-    "Llama3-70B": _llama3("Llama3-70B", 80, 8192, 1024, 28672),
-    "Llama3-405B": _llama3("Llama3-405B", 126, 16384, 1024, 53248),
+    "Llama3-8B": _llama3("Llama3-8B", 32, 4096, 32, 1024, 14336),
+    "Llama3-70B": _llama3("Llama3-70B", 80, 8192, 64, 1024, 28672),
+    "Llama3-405B": _llama3("Llama3-405B", 126, 16384, 128, 1024, 53248),
     "DeepSeek-V3-671B": _deepseek_v3_671b(),
 }

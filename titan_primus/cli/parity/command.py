@@ -14,6 +14,12 @@ running its own definition (the emulation reproduces every definition).
 Besides the thresholds, every output must be finite and rows of a grouped GEMM past the last
 group must get exactly zero output and gradient.
 
+FP8 attention (Primus-Turbo's ``flash_attn_fp8_func`` definition, blockwise 64) has no recipes:
+per attention case (causal, full, GQA, q/k and v head dims differing), the emulation always and Primus-Turbo where it is usable
+run it through the converter's own call (:func:`titan_primus.attention.attend`); out, dq, dk and
+dv are compared with fp32 SDPA of the same bf16 inputs (20 dB), and Primus-Turbo's with the
+emulation's (40 dB, the same definition).
+
 Where cases run: under the device profile asked for (default: the detected device); tensors live
 on this machine's GPU if it has one, else on the CPU. The fnuz-range case needs FNUZ formats
 (gfx942): on any other device it runs under the gfx942 profile with the emulation only, since
@@ -28,25 +34,31 @@ import time
 import zlib
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from functools import partial
 from itertools import combinations
 
 import torch
 from tqdm import tqdm
 
 from ... import registry
+from ...attention import AttentionRoute, AttentionSite, attend, route_attention
 from ...device import DeviceProfile, device_profile
-from ..doctor import describe_error, environment, resolve_profile, why_not
+from ..doctor import ATTENTION_RECIPE, attention_why_not, describe_error, environment, resolve_profile, why_not
 from ...numerics import (
+    ATTENTION_QUANTITIES,
     E4M3_BAR_DB,
     E5M2_BAR_DB,
+    FP8_ATTENTION_BAR_DB,
     HIGH_PRECISION_BAR_DB,
     QUANTITIES,
     SAME_DEFINITION_BAR_DB,
     compare_quantities,
     fp32_bars,
     make_offsets,
+    reference_attention,
     reference_grouped,
     reference_linear,
+    run_attention,
     run_grouped,
     run_linear,
     sqnrs,
@@ -65,8 +77,11 @@ from ..report import (
 from ...routing import BackendUnavailableError, select_backend
 
 __all__ = [
+    "DEFAULT_ATTENTION_CASES",
     "DEFAULT_CASES",
+    "QUICK_ATTENTION_CASES",
     "QUICK_CASES",
+    "AttentionCase",
     "GroupedCase",
     "LinearCase",
     "command",
@@ -180,8 +195,8 @@ class GroupedCase(_Case):
         return found
 
 
-def _non_finite(outputs) -> list[str]:
-    return [f"{q} has NaN/inf" for q, t in zip(QUANTITIES, outputs) if not torch.isfinite(t).all()]
+def _non_finite(outputs, quantities=QUANTITIES) -> list[str]:
+    return [f"{q} has NaN/inf" for q, t in zip(quantities, outputs) if not torch.isfinite(t).all()]
 
 
 _M_NOT_16 = "M not a multiple of 16, a shape Primus-Turbo's own tests use"
@@ -238,6 +253,75 @@ QUICK_CASES = (
         k=64,
         n=32,
         why="an empty group and rows past offs[-1]",
+    ),
+)
+
+ATTENTION_BACKENDS = (ORACLE, "primus_turbo")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionCase:
+    name: str
+    seq: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    causal: bool
+    why: str
+    batch: int = 1
+    op = "attention"
+
+    def shape(self) -> str:
+        mask = "causal" if self.causal else "full"
+        return f"B={self.batch} S={self.seq} Hq={self.heads} Hkv={self.kv_heads} D={self.head_dim} Dv={self.v_head_dim} {mask}"
+
+    def inputs(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """bf16 bshd q, k, v and the output's gradient."""
+        gen = _generator(f"attention {self.name}")
+        B, S = self.batch, self.seq
+        dims = ((self.heads, self.head_dim), (self.kv_heads, self.head_dim), (self.kv_heads, self.v_head_dim))
+        q, k, v = (torch.randn(B, S, h, d, generator=gen).bfloat16() for h, d in dims)
+        grad_out = torch.randn(B, S, self.heads, self.v_head_dim, generator=gen).bfloat16()
+        return tuple(t.to(device) for t in (q, k, v, grad_out))
+
+    def site(self) -> AttentionSite:
+        return AttentionSite(causal=self.causal, head_dims=(self.head_dim, self.v_head_dim))
+
+    def run(self, inputs, backend: str | None, device: DeviceProfile):
+        """(out, dq, dk, dv) of FP8 attention on ``backend``; ``backend=None`` is the fp32 reference."""
+        if backend is None:
+            return reference_attention(*inputs, causal=self.causal)
+        route = AttentionRoute(self.name, backend, True, "parity", device.e4m3)
+        return run_attention(lambda q, k, v: attend(route, q, k, v, scale=None, causal=self.causal), *inputs)
+
+    def problems(self, inputs, outputs) -> list[str]:
+        return _non_finite(outputs, ATTENTION_QUANTITIES)
+
+
+_GQA_WHY = "grouped-query attention (Hq = 2 Hkv, as Llama3's 32 q / 8 kv heads): dk, dv sum over each group"
+_DV_WHY = "q/k and v head dims differ, as DeepSeek-V3's MLA (192 / 128)"
+_GQA_DV_WHY = (
+    "grouped-query attention with q/k and v head dims differing: Primus-Turbo's FP8 backward got dk and dv "
+    "wrong there under the Triton interpreter (every build from v0.3.1 to v0.4.1.dev26, gfx942 and gfx950)"
+)
+
+
+def _attention_cases(seq: int, heads: int, head_dim: int) -> tuple[AttentionCase, ...]:
+    case = partial(AttentionCase, seq=seq, heads=heads, kv_heads=heads, head_dim=head_dim, causal=True)
+    return (
+        case(name="causal", v_head_dim=head_dim, why="causal"),
+        case(name="full", v_head_dim=head_dim, causal=False, why="no mask"),
+        case(name="gqa_causal", heads=2 * heads, v_head_dim=head_dim, why=_GQA_WHY),
+        case(name="dv_differs", v_head_dim=head_dim // 2, why=_DV_WHY),
+    )
+
+
+QUICK_ATTENTION_CASES = _attention_cases(seq=128, heads=2, head_dim=64)
+DEFAULT_ATTENTION_CASES = (
+    *_attention_cases(seq=256, heads=4, head_dim=128),
+    AttentionCase(
+        name="gqa_dv_differs", seq=192, heads=4, kv_heads=2, head_dim=64, v_head_dim=32, causal=True, why=_GQA_DV_WHY
     ),
 )
 
@@ -341,10 +425,11 @@ def _routed(case, recipe: str, profile: DeviceProfile) -> str | None:
         return None
 
 
-def _execute(row: Row, case, inputs, recipe: Fp8Recipe, profile: DeviceProfile) -> _Run | None:
-    row.definition = recipe.definition
+def _execute(row: Row, profile: DeviceProfile, compute):
+    """``compute()``'s outputs, or None with the row marked: an error, or skipped where a named
+    profile's backend cannot run on this host."""
     try:
-        return _Run(row, recipe, case.run(inputs, recipe, row.backend, profile))
+        return compute()
     except Exception as e:  # a report of what broke, for any backend, beats a traceback
         message = describe_error(e)
         if profile.detected or row.backend == ORACLE:
@@ -356,6 +441,32 @@ def _execute(row: Row, case, inputs, recipe: Fp8Recipe, profile: DeviceProfile) 
         return None
 
 
+def _execute_gemm(row: Row, case, inputs, recipe: Fp8Recipe, profile: DeviceProfile) -> _Run | None:
+    row.definition = recipe.definition
+    outputs = _execute(row, profile, lambda: case.run(inputs, recipe, row.backend, profile))
+    return None if outputs is None else _Run(row, recipe, outputs)
+
+
+def _decide(row: Row) -> None:
+    """Pass or fail, from the row's checks and problems."""
+    failed = [
+        f"{c.quantity} vs {c.against} {format_db(c.sqnr_db)} dB < {c.threshold_db:g}"
+        for c in row.checks
+        if not c.passed
+    ]
+    row.status = "fail" if failed or row.problems else "pass"
+    row.reason = "; ".join(row.problems + failed)
+
+
+def _same_definition_checks(reference: Row, reference_outputs, outputs, quantities) -> list[Check]:
+    """Checks of ``outputs`` against another run of the same definition (whole-tensor SQNR only:
+    no row floor and no bit-exactness asked; the sentinel asks both)."""
+    compared = compare_quantities(
+        dict(zip(quantities, reference_outputs)), dict(zip(quantities, outputs)), quantities=quantities
+    )
+    return [Check(c.quantity, reference.backend, c.sqnr_db, SAME_DEFINITION_BAR_DB) for c in compared]
+
+
 def _judge(runs: list[_Run], reference, case, inputs) -> None:
     """Attach checks to every run, then decide pass or fail."""
     for run in runs:
@@ -364,22 +475,12 @@ def _judge(runs: list[_Run], reference, case, inputs) -> None:
         run.row.problems = case.problems(inputs, run.outputs)
     for first, second in combinations(runs, 2):  # the oracle comes first, so it is the reference
         if first.recipe.definition == second.recipe.definition:
-            # Whole-tensor SQNR only: no row floor and no bit-exactness asked (the sentinel asks both).
-            compared = compare_quantities(dict(zip(QUANTITIES, first.outputs)), dict(zip(QUANTITIES, second.outputs)))
-            second.row.checks += [
-                Check(c.quantity, first.row.backend, c.sqnr_db, SAME_DEFINITION_BAR_DB) for c in compared
-            ]
+            second.row.checks += _same_definition_checks(first.row, first.outputs, second.outputs, QUANTITIES)
         else:
             first.row.differs_from.append(second.row.label)
             second.row.differs_from.append(first.row.label)
     for run in runs:
-        failed = [
-            f"{c.quantity} vs {c.against} {format_db(c.sqnr_db)} dB < {c.threshold_db:g}"
-            for c in run.row.checks
-            if not c.passed
-        ]
-        run.row.status = "fail" if failed or run.row.problems else "pass"
-        run.row.reason = "; ".join(run.row.problems + failed)
+        _decide(run.row)
 
 
 def _run_cell(case, recipe: str, requested: DeviceProfile) -> list[Row]:
@@ -400,7 +501,7 @@ def _run_cell(case, recipe: str, requested: DeviceProfile) -> list[Row]:
         row = new_row(backend.name)
         row.reason = _why_not(backend, case, recipe, profile, emulation_only)
         if not row.reason:
-            runs.append(_execute(row, case, inputs, backend.recipe_for(recipe, profile), profile))
+            runs.append(_execute_gemm(row, case, inputs, backend.recipe_for(recipe, profile), profile))
     runs = [r for r in runs if r is not None]
     # A definition no emulated run covered: the emulation runs it too, for a same-definition comparison.
     emulated_definitions = {r.recipe.definition for r in runs if r.row.backend == ORACLE}
@@ -408,22 +509,59 @@ def _run_cell(case, recipe: str, requested: DeviceProfile) -> list[Row]:
         for other in list(runs):
             if other.recipe.definition not in emulated_definitions:
                 emulated_definitions.add(other.recipe.definition)
-                extra = _execute(new_row(ORACLE), case, inputs, other.recipe, profile)
+                extra = _execute_gemm(new_row(ORACLE), case, inputs, other.recipe, profile)
                 if extra:
                     runs.insert(0, extra)
     _judge(runs, reference, case, inputs)
     return rows
 
 
-def run_matrix(profile: DeviceProfile, cases, recipes=RECIPE_NAMES, progress=None) -> list[Row]:
-    """Every (case, recipe) cell; ``progress`` (a tqdm bar) is advanced once per cell."""
+def _run_attention_case(case: AttentionCase, profile: DeviceProfile) -> list[Row]:
+    """FP8 attention of ``case`` on each attention backend here, against fp32 SDPA and, for
+    Primus-Turbo, against the emulation (the same definition)."""
+    inputs = case.inputs(_host_device())
+    reference = case.run(inputs, None, profile)
+    route = route_attention(case.name, case.site(), device=profile, backend="auto", bf16=False, fp8=True)
+    rows, outputs = [], []
+    for backend in ATTENTION_BACKENDS:
+        row = Row(
+            case.op,
+            ATTENTION_RECIPE,
+            case.name,
+            case.shape(),
+            profile.arch,
+            backend,
+            route.fp8 and route.backend == backend,
+        )
+        rows.append(row)
+        row.reason = attention_why_not(backend, profile, case.site(), fp8=True)
+        if row.reason:
+            continue
+        row.definition = "primus_turbo"  # the emulation's is Primus-Turbo's
+        found = _execute(row, profile, lambda: case.run(inputs, row.backend, profile))
+        if found is None:
+            continue
+        row.checks = [
+            Check(q, "fp32", db, FP8_ATTENTION_BAR_DB) for q, db in zip(ATTENTION_QUANTITIES, sqnrs(reference, found))
+        ]
+        row.problems = case.problems(inputs, found)
+        if outputs:  # the emulation ran first: the reference of the same definition
+            row.checks += _same_definition_checks(outputs[0][0], outputs[0][1], found, ATTENTION_QUANTITIES)
+        outputs.append((row, found))
+        _decide(row)
+    return rows
+
+
+def run_matrix(profile: DeviceProfile, cases, recipes=RECIPE_NAMES, progress=None, attention_cases=()) -> list[Row]:
+    """Every (case, recipe) cell, then every FP8 attention case; ``progress`` (a tqdm bar) is
+    advanced once per cell and attention case."""
+    cells = [(case, recipe) for case in cases for recipe in recipes] + [(case, None) for case in attention_cases]
     rows = []
-    for case in cases:
-        for recipe in recipes:
-            rows += _run_cell(case, recipe, profile)
-            if progress is not None:
-                progress.set_postfix_str(f"{case.op} {case.name} {recipe}", refresh=False)
-                progress.update()
+    for case, recipe in cells:
+        rows += _run_cell(case, recipe, profile) if recipe else _run_attention_case(case, profile)
+        if progress is not None:
+            progress.set_postfix_str(f"{case.op} {case.name} {recipe or ''}", refresh=False)
+            progress.update()
     return rows
 
 
@@ -451,23 +589,10 @@ def _same_definition_cell(row: Row) -> str:
     return f"vs {cross[0].against}: {format_db(min(c.sqnr_db for c in cross))}"
 
 
-def render(rows: list[Row], profile: DeviceProfile, cases, required_missing: list[str], seconds: float) -> str:
-    ran = [r for r in rows if r.status != "skipped"]
-    skipped = [r for r in rows if r.status == "skipped"]
-    lines = [
-        (
-            f"titan-primus parity on {profile.describe()}: {len(cases)} shape cases x {len(RECIPE_NAMES)} recipes "
-            f"x {len(registry.backends())} backends"
-        ),
-        (
-            f"bars: vs fp32 {E4M3_BAR_DB:g} dB (e4m3 GEMMs), {E5M2_BAR_DB:g} dB (GEMMs with an e5m2 operand), "
-            f"{HIGH_PRECISION_BAR_DB:g} dB (high-precision GEMMs); same definition {SAME_DEFINITION_BAR_DB:g} dB; "
-            '* = what backend="auto" picks'
-        ),
-        "",
-    ]
+def _sqnr_table(rows: list[Row], quantities, headers: list[str]) -> str:
+    """One line per row that ran: its SQNR vs fp32 per quantity, the same-definition cell, the status."""
     table = []
-    for r in ran:
+    for r in rows:
         fp32 = {c.quantity: c.sqnr_db for c in r.checks if c.against == "fp32"}
         table.append(
             [
@@ -476,28 +601,37 @@ def render(rows: list[Row], profile: DeviceProfile, cases, required_missing: lis
                 r.case,
                 r.device,
                 r.label + (" *" if r.routed else ""),
-                *(format_db(fp32[q]) if q in fp32 else "-" for q in QUANTITIES),
+                *(format_db(fp32[q]) if q in fp32 else "-" for q in quantities),
                 _same_definition_cell(r),
                 r.status,
             ]
         )
-    lines.append(
-        markdown_table(
-            [
-                "op",
-                "recipe",
-                "case",
-                "profile",
-                "backend (definition)",
-                "out",
-                "grad_in",
-                "grad_w",
-                "same definition",
-                "status",
-            ],
-            table,
-        )
-    )
+    labels = ["op", "recipe", "case", "profile", "backend (definition)", *headers, "same definition", "status"]
+    return markdown_table(labels, table)
+
+
+def render(
+    rows: list[Row], profile: DeviceProfile, cases, required_missing: list[str], seconds: float, attention_cases=()
+) -> str:
+    ran = [r for r in rows if r.status != "skipped"]
+    skipped = [r for r in rows if r.status == "skipped"]
+    lines = [
+        (
+            f"titan-primus parity on {profile.describe()}: {len(cases)} shape cases x {len(RECIPE_NAMES)} recipes "
+            f"x {len(registry.backends())} backends, {len(attention_cases)} FP8 attention cases"
+        ),
+        (
+            f"bars: vs fp32 {E4M3_BAR_DB:g} dB (e4m3 GEMMs), {E5M2_BAR_DB:g} dB (GEMMs with an e5m2 operand), "
+            f"{HIGH_PRECISION_BAR_DB:g} dB (high-precision GEMMs), {FP8_ATTENTION_BAR_DB:g} dB (FP8 attention vs "
+            f"fp32 SDPA); same definition {SAME_DEFINITION_BAR_DB:g} dB; "
+            '* = what backend="auto" picks'
+        ),
+        "",
+        _sqnr_table([r for r in ran if r.op != "attention"], QUANTITIES, ["out", "grad_in", "grad_w"]),
+    ]
+    attention = [r for r in ran if r.op == "attention"]
+    if attention:
+        lines += ["", _sqnr_table(attention, ATTENTION_QUANTITIES, list(ATTENTION_QUANTITIES))]
     failed = [r for r in ran if r.status != "pass"]
     if failed:
         lines += ["", "failures:"] + [f"  {r.op}/{r.recipe}/{r.case} {r.label}: {r.status}: {r.reason}" for r in failed]
@@ -527,7 +661,7 @@ def render(rows: list[Row], profile: DeviceProfile, cases, required_missing: lis
     return "\n".join(lines) + "\n"
 
 
-def _settings(profile: DeviceProfile, cases, quick: bool, required: list[str]) -> dict:
+def _settings(profile: DeviceProfile, cases, quick: bool, required: list[str], attention_cases) -> dict:
     return {
         "device": profile.arch,
         "quick": quick,
@@ -536,11 +670,16 @@ def _settings(profile: DeviceProfile, cases, quick: bool, required: list[str]) -
         "cases": [
             {"name": c.name, "op": c.op, "shape": c.shape(), "why": c.why, "device": _case_profile(c, profile)[0].arch}
             for c in cases
+        ]
+        + [
+            {"name": c.name, "op": c.op, "shape": c.shape(), "why": c.why, "device": profile.arch}
+            for c in attention_cases
         ],
         "thresholds_db": {
             "vs_fp32_e4m3": E4M3_BAR_DB,
             "vs_fp32_e5m2": E5M2_BAR_DB,
             "vs_fp32_high_precision": HIGH_PRECISION_BAR_DB,
+            "fp8_attention_vs_fp32": FP8_ATTENTION_BAR_DB,
             "same_definition": SAME_DEFINITION_BAR_DB,
         },
     }
@@ -551,15 +690,17 @@ def command(device: str | None, quick: bool, required: list[str], json_path: str
     profile = resolve_profile(device)
     prepare_output(json_path)
     cases = QUICK_CASES if quick else DEFAULT_CASES
+    attention_cases = QUICK_ATTENTION_CASES if quick else DEFAULT_ATTENTION_CASES
     started = time.perf_counter()
+    total = len(cases) * len(RECIPE_NAMES) + len(attention_cases)
     # Drawn only on a terminal, so logs and JSON consumers see no bar.
-    with tqdm(total=len(cases) * len(RECIPE_NAMES), file=err, disable=not err.isatty(), leave=False) as progress:
-        rows = run_matrix(profile, cases, RECIPE_NAMES, progress)
+    with tqdm(total=total, file=err, disable=not err.isatty(), leave=False) as progress:
+        rows = run_matrix(profile, cases, RECIPE_NAMES, progress, attention_cases)
     seconds = time.perf_counter() - started
     missing = require_problems(rows, required, profile)
     counts = Counter(r.status for r in rows)
     ok = not (counts["fail"] or counts["error"] or missing)
-    out.write(render(rows, profile, cases, missing, seconds))
+    out.write(render(rows, profile, cases, missing, seconds, attention_cases))
     if json_path:
         summary = {status: counts[status] for status in ("pass", "fail", "error", "skipped")}
         summary.update(required_missing=missing, ok=ok, seconds=round(seconds, 2))
@@ -568,7 +709,7 @@ def command(device: str | None, quick: bool, required: list[str], json_path: str
             document(
                 "parity",
                 environment(profile),
-                _settings(profile, cases, quick, required),
+                _settings(profile, cases, quick, required, attention_cases),
                 [r.to_json() for r in rows],
                 summary,
             ),
