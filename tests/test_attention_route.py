@@ -70,7 +70,10 @@ def test_fp8_attention_refusals_name_the_rule():
         "head dims (16, 16)": AttentionSite(head_dims=(16, 16)),
         "head dims (33, 33)": AttentionSite(head_dims=(33, 33)),
         "sinks": AttentionSite(unmappable="sinks"),
+        "grouped-query attention with head dims (64, 32)": AttentionSite(head_dims=(64, 32), grouped=True),
     }
+    assert fp8_attention_refusal(AttentionSite(head_dims=(128, 128), grouped=True)) is None  # Llama3-8B's GQA
+    assert fp8_attention_refusal(AttentionSite(head_dims=(192, 128))) is None  # DeepSeek-V3's MLA
     for what, site in refused.items():
         assert what in fp8_attention_refusal(site), what
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from real_turbo.conftest import ARCH, TURBO
-from titan_primus.attention import AttentionRoute, attend
+from titan_primus.attention import AttentionRoute, attend, backend_route
 from titan_primus.cli.bench.memory_audit import ATTENTION_AUDIT_HEADS, ATTENTION_AUDIT_SEQ
 from titan_primus.cli.bench.memory_model import ATTENTION_PATHS, attention_saved
 from titan_primus.cli.parity import command as parity
@@ -25,16 +25,32 @@ def test_parity_runs_fp8_attention_on_primus_turbo_against_fp32_and_the_emulatio
         assert all(c.sqnr_db >= c.threshold_db for c in row.checks)
 
 
-def test_primus_turbos_fp8_backward_is_wrong_for_gqa_with_unequal_head_dims():
-    """Measured at every build and both archs (2026-12-02, Triton interpreter): the forward and dq
-    equal the emulation's, dk and dv are wrong (non-finite at parity's gqa_dv_differs shape, D 64 /
-    Dv 32; -1.8 and 0.0 dB against fp32 at S=128, Hq 4, Hkv 2, D 64 / Dv 32; -2.9 and 0.1 dB at D 32 /
-    Dv 64); GQA alone, or the head dims differing alone, are right. Parity's default set shows it (its gqa_dv_differs case)."""
+def test_primus_turbos_fp8_backward_is_wrong_for_gqa_with_unequal_head_dims_and_routing_refuses_it():
+    """Measured at every build and both archs (2026-12-02, Triton interpreter): Primus-Turbo's FP8
+    kernel, called directly, gets the forward and dq of the emulation, but dk and dv wrong
+    (non-finite at parity's gqa_dv_differs shape, S 192, Hq 4, Hkv 2, D 64 / Dv 32; -1.8 and 0.0 dB
+    against fp32 at S 128; -2.9 and 0.1 dB at D 32 / Dv 64). GQA alone, or the head dims differing
+    alone, are right. So the route refuses the combination (parity shows the refusal); this test
+    fails once a Primus-Turbo build computes it right, and the rule can then name the builds."""
+    from titan_primus import sqnr
+
+    from titan_primus.attention import fp8_attention_refusal
+    from titan_primus.backends.primus_turbo.attention_fp8 import fp8_attention
+    from titan_primus.numerics import run_attention
+
     (case,) = [c for c in parity.DEFAULT_ATTENTION_CASES if c.name == "gqa_dv_differs"]
-    (_, turbo) = parity.run_matrix(device_profile(ARCH), (), attention_cases=(case,))
-    db = {(c.quantity, c.against): c.sqnr_db for c in turbo.checks}
-    assert turbo.status == "fail" and db["out", "emulated"] > 40 and db["dq", "emulated"] > 40
-    assert db["dk", "fp32"] < 5 and db["dv", "fp32"] < 5
+    assert "grouped-query attention" in fp8_attention_refusal(case.site())
+    (row,) = [
+        r for r in parity.run_matrix(device_profile(ARCH), (), attention_cases=(case,)) if r.backend == "primus_turbo"
+    ]
+    assert row.status == "skipped" and "grouped-query attention" in row.reason, (row.status, row.reason)
+    inputs = case.inputs(torch.device("cpu"))
+    reference = case.run(inputs, None, device_profile(ARCH))
+    emulated = case.run(inputs, "emulated", device_profile(ARCH))
+    turbo = run_attention(lambda q, k, v: fp8_attention(q, k, v, causal=True, softmax_scale=None), *inputs)
+    assert sqnr(emulated[0], turbo[0]) > 40 and sqnr(emulated[1], turbo[1]) > 40
+    assert all(sqnr(reference[i], emulated[i]) > 20 for i in range(4))
+    assert not all(sqnr(reference[i], turbo[i]) > 5 for i in (2, 3))
 
 
 def _saved(route: AttentionRoute) -> list[tuple[tuple[int, ...], int]]:
@@ -49,6 +65,6 @@ def _saved(route: AttentionRoute) -> list[tuple[tuple[int, ...], int]]:
 @pytest.mark.parametrize("fp8, path", [(True, ATTENTION_PATHS[2]), (False, ATTENTION_PATHS[1])], ids=["fp8", "bf16"])
 def test_bench_memory_models_what_primus_turbos_attention_saves(fp8, path):
     assert TURBO is not None
-    route = AttentionRoute("memory model", "primus_turbo", fp8, "test", device_profile(ARCH).e4m3 if fp8 else None)
+    route = backend_route("memory model", "primus_turbo", fp8=fp8, device=device_profile(ARCH), reason="test")
     modelled = attention_saved(path, ATTENTION_AUDIT_HEADS, ATTENTION_AUDIT_SEQ, 1)
     assert _saved(route) == sorted((t.shape, t.element_bytes) for t in modelled)

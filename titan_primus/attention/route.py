@@ -20,7 +20,7 @@ import torch
 from ..device import DeviceProfile
 from ..registry import get_backend
 
-__all__ = ["AttentionRoute", "AttentionSite", "fp8_attention_refusal", "route_attention"]
+__all__ = ["AttentionRoute", "AttentionSite", "backend_route", "fp8_attention_refusal", "route_attention"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,8 @@ class AttentionSite:
     """Sliding window (left, right) in flash-attention's convention; (-1, -1): none."""
     head_dims: tuple[int, int] | None = None
     """(query/key, value) head dimensions, where the adapter knows them."""
+    grouped: bool = False
+    """Grouped-query attention: fewer key/value heads than query heads."""
     dropout: float = 0.0
     unmappable: str | None = None
     """The adapter's reason Primus-Turbo cannot compute this layer's attention as TorchTitan does
@@ -71,6 +73,16 @@ class AttentionRoute:
         return f"{self.backend} {what} ({self.reason})"
 
 
+def backend_route(fqn: str, backend: str, *, fp8: bool, device: DeviceProfile, reason: str) -> AttentionRoute:
+    """A route on ``backend`` as routing would make it (the FP8 format, the bf16 kernels' settings),
+    for callers that pick the backend themselves (parity, bench) once its availability is checked."""
+    if fp8:
+        return AttentionRoute(fqn, backend, True, reason, device.e4m3)
+    from ..backends.primus_turbo.attention_bf16 import kernel_settings
+
+    return AttentionRoute(fqn, backend, False, reason, kernel_settings=kernel_settings())
+
+
 def fp8_attention_refusal(site: AttentionSite) -> str | None:
     """Why Primus-Turbo's FP8 attention cannot compute ``site`` as defined, or None where it can.
     Each rule is read in Primus-Turbo's sources (``ops/attention/flash_attn_interface.py``,
@@ -89,6 +101,12 @@ def fp8_attention_refusal(site: AttentionSite) -> str | None:
         return f"dropout {site.dropout}: Primus-Turbo's FP8 backward ignores the forward's dropout"
     if site.head_dims and any(d < 32 or d % 2 for d in site.head_dims):
         return f"head dims {site.head_dims}: Primus-Turbo's FP8 backward needs even head dims of at least 32"
+    if site.grouped and site.head_dims and site.head_dims[0] != site.head_dims[1]:
+        return (
+            f"grouped-query attention with head dims {site.head_dims}: Primus-Turbo's FP8 backward computes dK and dV "
+            f"wrong there (found under the Triton interpreter at every build from v0.3.1 to v0.4.1.dev26: "
+            f"tests/real_turbo/test_attention_cli.py)"
+        )
     return None
 
 
@@ -117,7 +135,7 @@ def route_attention(
     if site.unmappable:
         return AttentionRoute(fqn, None, False, site.unmappable)
     if fp8 and fp8_refused is None:
-        return AttentionRoute(fqn, name, True, f"{site.describe()}; {available}", device.e4m3)
+        return backend_route(fqn, name, fp8=True, device=device, reason=f"{site.describe()}; {available}")
     refused = f"; FP8 attention refused: {fp8_refused}" if fp8_refused else ""
     if name == "primus_turbo" and bf16:
         if site.head_dims and any(d % 8 for d in site.head_dims):

@@ -107,6 +107,12 @@ def _head_dims(attention_config) -> tuple[int, int] | None:
     return (head_dim, head_dim) if head_dim else None
 
 
+def _grouped(attention_config) -> bool:
+    """Fewer key/value heads than query heads (GQAttention's ``n_kv_heads``)."""
+    n_kv_heads = getattr(attention_config, "n_kv_heads", None)
+    return n_kv_heads is not None and n_kv_heads != getattr(attention_config, "n_heads", n_kv_heads)
+
+
 def _own_masks(model_config) -> str | None:
     """Why a model's masks are not known to be Decoder's causal + packed-document ones, if so."""
     owner = getattr(type(model_config), "_owner", None)
@@ -144,6 +150,7 @@ def convert_attention(model_config, router, replace) -> object:
                 documents=documents,
                 window=flash,
                 head_dims=_head_dims(parent) if not isinstance(parent, list) else None,
+                grouped=not isinstance(parent, list) and _grouped(parent),
                 unmappable=own_masks if documents else None,
             )
             route = router.attention(fqn, site)

@@ -72,17 +72,23 @@ def _head_dims(attention: nn.Module | None) -> tuple[int, int] | None:
     return (head_dim, head_dim) if head_dim else None
 
 
+def _grouped(attention: nn.Module | None) -> bool:
+    n_kv_heads = getattr(attention, "n_kv_heads", None)
+    return n_kv_heads is not None and n_kv_heads != getattr(attention, "n_heads", n_kv_heads)
+
+
 def attention_swaps(model: nn.Module, router) -> list[tuple[str, nn.Module]]:
     """(fqn, replacement) for every inner attention of ``model`` the router sends to a backend
     of titan-primus's (``router``: the converter's LayerRouter, which records every layer)."""
     modules = dict(model.named_modules())
     swaps = []
     for fqn, module in modules.items():
-        head_dims = _head_dims(modules.get(fqn.rpartition(".")[0]))
+        parent = modules.get(fqn.rpartition(".")[0])
+        shape = {"head_dims": _head_dims(parent), "grouped": _grouped(parent)}
         if isinstance(module, ScaledDotProductAttentionWrapper):
-            site, wrapper = AttentionSite(causal=True, head_dims=head_dims), PrimusTurboSDPAWrapper
+            site, wrapper = AttentionSite(causal=True, **shape), PrimusTurboSDPAWrapper
         elif isinstance(module, VarlenAttentionWrapper):
-            site, wrapper = AttentionSite(documents=True, head_dims=head_dims), PrimusTurboVarlenWrapper
+            site, wrapper = AttentionSite(documents=True, **shape), PrimusTurboVarlenWrapper
         elif isinstance(module, FlexAttentionWrapper):
             site, wrapper = AttentionSite(unmappable=FLEX_KEPT), None
         else:

@@ -15,7 +15,7 @@ Shapes (M rows x K in -> N out):
   rank (expert parallelism 32 and 16), 8192 tokens x top-8 = 65536 rows, balanced.
 - Attention of Llama3-8B (32 query heads, 8 KV heads, head dim 128) and DeepSeek-V3-671B (MLA: 128
   heads, q/k head dim 192, v head dim 128), causal, one 8192-token sequence: torch's SDPA in bf16
-  (the baseline), Primus-Turbo's ``flash_attn_func`` (bf16) and its FP8 attention
+  (the baseline), Primus-Turbo's bf16 flash attention (AITER's varlen kernels) and its FP8 attention
   (``flash_attn_fp8_func``, blockwise 64), through the converter's own call (``attend``). FLOPs,
   FlashAttention's convention: forward 2*B*H*Sq*Sk*(D + Dv) (4*B*H*Sq*Sk*D where D == Dv),
   halved for causal; backward 2.5x forward. The emulated FP8 attention is an exact reference,
@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from ... import registry
-from ...attention import AttentionRoute, AttentionSite, attend
+from ...attention import AttentionSite, attend, backend_route
 from ...device import DeviceProfile, detect_device
 from ...numerics import sdpa
 from ..doctor import ATTENTION_RECIPE, attention_why_not, describe_error, environment, why_not
@@ -368,7 +368,7 @@ def run_attention_bench(shapes, timing: tuple[int, int], profile: DeviceProfile,
             if row["reason"]:
                 continue
             row["definition"] = "primus_turbo" if fp8 else None  # FP8 attention's one definition
-            route = AttentionRoute(shape.name, backend, fp8, "bench", profile.e4m3 if fp8 else None)
+            route = backend_route(shape.name, backend, fp8=fp8, device=profile, reason="bench")
 
             def forward(q, k, v, route=route, causal=shape.causal):
                 return attend(route, q, k, v, scale=None, causal=causal)

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ... import registry
-from ...attention import AttentionRoute, attend
+from ...attention import attend, backend_route
 from ...backends.base import OPS
 from ...device import DeviceProfile
 from ...fsdp_fp8 import fp8_all_gather_plan
@@ -177,7 +177,7 @@ def emulated_attention_saved(profile: DeviceProfile) -> list[tuple[tuple[int, ..
     h, S = ATTENTION_AUDIT_HEADS, ATTENTION_AUDIT_SEQ
     dims = ((h.heads, h.head_dim), (h.kv_heads, h.head_dim), (h.kv_heads, h.v_head_dim))
     q, k, v = (torch.randn(1, S, n, d, dtype=torch.bfloat16, requires_grad=True) for n, d in dims)
-    route = AttentionRoute("memory audit", "emulated", True, "bench --memory", profile.e4m3)
+    route = backend_route("memory audit", "emulated", fp8=True, device=profile, reason="bench --memory")
     with recording_saved_tensors() as saved:
         attend(route, q, k, v, scale=None, causal=True)
     return sorted((tuple(t.shape), t.element_size()) for t in saved)

@@ -23,9 +23,10 @@ sequence, Hq / Hkv heads, D / Dv head dims; bf16 2 bytes, FP8 1, fp32 4):
 
 - TorchTitan's own (SDPA's flash / memory-efficient kernels, varlen): q, k, v and out in bf16, the
   fp32 log-sum-exp (B, Hq, S); the philox seed and offset (a few bytes) left out.
-- Primus-Turbo ``flash_attn_func`` (bf16, ``AiterFlashAttnFunc.forward``): q, k, v (head dims padded
-  to multiples of 8), ``out_padded`` (bf16), ``softmax_lse`` fp32 (B, Hq, S), ``rng_state`` (taken
-  as 2 int64, as Primus-Turbo builds it on its sink path; AITER's own is not read here).
+- Primus-Turbo bf16 flash attention (``backends/primus_turbo/attention_bf16.py``, what
+  ``AiterFlashAttnVarlenFunc`` saves): packed q, k, v and out (bf16), the fp32 LSE (Hq, B·S), the
+  int32 cu_seqlens and ``rng_state`` (taken as 2 int64, as Primus-Turbo builds it on its sink path;
+  AITER's own is not read here).
 - Primus-Turbo FP8 attention (``TritonFlashAttnFunc``, and titan-primus's opaque op around it):
   FP8 q, k, v, bf16 out, the fp32 (B, Hq, 2S) LSE/Delta buffer, fp32 descales (B, H, S/64) of q, k, v.
 - The emulated FP8 attention: the same, but its LSE is (B, Hq, S) (its backward computes Delta
@@ -227,7 +228,7 @@ def selective_ac_rows(seq_len: int, local_batch: int) -> list[dict]:
 
 ATTENTION_PATHS = (
     "TorchTitan (SDPA / flash, bf16)",
-    "Primus-Turbo flash_attn_func (bf16)",
+    "Primus-Turbo flash attention (bf16)",
     "Primus-Turbo FP8 attention",
     "emulated FP8 attention",
 )
@@ -245,24 +246,28 @@ class SavedTensor:
         return math.prod(self.shape) * self.element_bytes
 
 
-def _padded8(d: int) -> int:
-    return -(-d // 8) * 8
-
-
 def attention_saved(path: str, heads: AttentionHeads, seq: int, batch: int) -> tuple[SavedTensor, ...]:
     """The tensors ``path`` (one of :data:`ATTENTION_PATHS`) saves for backward in one layer."""
     B, S, Hq, Hkv, D, Dv = batch, seq, heads.heads, heads.kv_heads, heads.head_dim, heads.v_head_dim
-    if path in ATTENTION_PATHS[:2]:
-        if path == ATTENTION_PATHS[1]:  # AiterFlashAttnFunc pads the head dims to multiples of 8
-            D, Dv = _padded8(D), _padded8(Dv)
-        saved = (
+    if path == ATTENTION_PATHS[0]:
+        return (
             SavedTensor("q", (B, S, Hq, D), 2),
             SavedTensor("k", (B, S, Hkv, D), 2),
             SavedTensor("v", (B, S, Hkv, Dv), 2),
             SavedTensor("out", (B, S, Hq, Dv), 2),
             SavedTensor("lse", (B, Hq, S), 4),
         )
-        return saved + ((SavedTensor("rng_state", (2,), 8),) if path == ATTENTION_PATHS[1] else ())
+    if path == ATTENTION_PATHS[1]:  # backends/primus_turbo/attention_bf16.py: packed (T = B·S) varlen
+        T = B * S
+        return (
+            SavedTensor("q", (T, Hq, D), 2),
+            SavedTensor("k", (T, Hkv, D), 2),
+            SavedTensor("v", (T, Hkv, Dv), 2),
+            SavedTensor("out", (T, Hq, Dv), 2),
+            SavedTensor("lse", (Hq, T), 4),
+            SavedTensor("cu_seqlens", (B + 1,), 4),
+            SavedTensor("rng_state", (2,), 8),
+        )
     blocks = S // _FP8_BLOCK
     descales = tuple(
         SavedTensor(f"{name}_descale", (B, h, blocks), 4) for name, h in (("q", Hq), ("k", Hkv), ("v", Hkv))

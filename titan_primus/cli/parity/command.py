@@ -41,7 +41,7 @@ import torch
 from tqdm import tqdm
 
 from ... import registry
-from ...attention import AttentionRoute, AttentionSite, attend, route_attention
+from ...attention import AttentionSite, attend, backend_route, route_attention
 from ...device import DeviceProfile, device_profile
 from ..doctor import ATTENTION_RECIPE, attention_why_not, describe_error, environment, resolve_profile, why_not
 from ...numerics import (
@@ -286,13 +286,15 @@ class AttentionCase:
         return tuple(t.to(device) for t in (q, k, v, grad_out))
 
     def site(self) -> AttentionSite:
-        return AttentionSite(causal=self.causal, head_dims=(self.head_dim, self.v_head_dim))
+        return AttentionSite(
+            causal=self.causal, head_dims=(self.head_dim, self.v_head_dim), grouped=self.kv_heads != self.heads
+        )
 
     def run(self, inputs, backend: str | None, device: DeviceProfile):
         """(out, dq, dk, dv) of FP8 attention on ``backend``; ``backend=None`` is the fp32 reference."""
         if backend is None:
             return reference_attention(*inputs, causal=self.causal)
-        route = AttentionRoute(self.name, backend, True, "parity", device.e4m3)
+        route = backend_route(self.name, backend, fp8=True, device=device, reason="parity")
         return run_attention(lambda q, k, v: attend(route, q, k, v, scale=None, causal=self.causal), *inputs)
 
     def problems(self, inputs, outputs) -> list[str]:
@@ -303,7 +305,8 @@ _GQA_WHY = "grouped-query attention (Hq = 2 Hkv, as Llama3's 32 q / 8 kv heads):
 _DV_WHY = "q/k and v head dims differ, as DeepSeek-V3's MLA (192 / 128)"
 _GQA_DV_WHY = (
     "grouped-query attention with q/k and v head dims differing: Primus-Turbo's FP8 backward got dk and dv "
-    "wrong there under the Triton interpreter (every build from v0.3.1 to v0.4.1.dev26, gfx942 and gfx950)"
+    "wrong there under the Triton interpreter (every build from v0.3.1 to v0.4.1.dev26, gfx942 and gfx950), "
+    "so routing refuses it; parity shows the refusal"
 )
 
 
