@@ -12,7 +12,7 @@ from gemm_count import count_gemms
 from titan_helpers import build, model_config, token_ids
 
 import titan_primus as tp
-from titan_primus.checkpointing import fp8_gemm_save_ops
+from titan_primus.checkpointing import attention_save_ops, fp8_gemm_save_ops
 from titan_primus.torchtitan import Float8Converter, Fp8SelectiveAC
 
 
@@ -104,12 +104,12 @@ def test_alternation_recomputes_every_second_fp8_gemm_of_each_block(backend, rec
         assert plain < alternate < stock and alternate - plain < (stock - plain) * 0.6, (plain, alternate, stock)
 
 
-def test_save_set_is_torchtitans_plus_the_backends_gemm_ops():
+def test_save_set_is_torchtitans_plus_the_backends_gemm_ops_and_the_attention_ops():
     from torchtitan.distributed.activation_checkpoint import SelectiveAC
 
     stock = SelectiveAC.Config().build().get_save_ops()
     ours = Fp8SelectiveAC.Config().build().get_save_ops()
-    assert ours == set(stock) | fp8_gemm_save_ops()
+    assert ours == set(stock) | fp8_gemm_save_ops() | attention_save_ops()
     assert torch.ops.titan_primus.emulated_fp8_mm.default in ours
     assert torch.ops.titan_primus.emulated_fp8_grouped_mm.default in ours
     assert torch.ops.aten._scaled_mm.default in ours
