@@ -42,6 +42,15 @@ def test_flex_attention_keeps_torchtitans_path_with_the_reason():
     assert sum(isinstance(m, FlexAttentionWrapper) for m in model.modules()) == len(report.attention)
 
 
+def test_context_parallelism_keeps_torchtitans_attention_with_the_reason():
+    from tt02_helpers import parallel_dims
+
+    model = meta_model("deepseek_v3")
+    report = convert(model, parallel_dims(2, cp=2), device="cpu", fp8_attention=True, **ATTENTION_ONLY).report
+    assert report.attention and all(r.backend is None and "context parallelism" in r.reason for r in report.attention)
+    assert not any(isinstance(m, PrimusTurboSDPAWrapper) for m in model.modules())
+
+
 def test_off_by_default_and_nothing_swapped():
     model = meta_model("llama3")
     report = convert(model, device="cpu").report

@@ -19,6 +19,7 @@ from titan_primus.cli.validate.command import judge_document
 
 QUICK_STEPS = 20
 TOML = "examples/torchtitan02/llama3_debug_fp8.toml"
+DEEPSEEK_TOML = "examples/torchtitan02/deepseek_v3_debug_fp8.toml"
 pytestmark = pytest.mark.trainer
 
 
@@ -100,28 +101,43 @@ def test_a_config_that_is_not_a_toml_file_is_one_line(capsys):
         assert err.count("\n") == 1 and expected in err, err
 
 
-def test_the_mi300x_job_validates_a_toml_this_line_takes():
-    """ci/mi300x-image.sh's validate step (a GPU, no --quick): its arguments parse, its TOML is the
-    0.2.x job's, and the FP8 runs get the converter's options, the bf16 runs none of them."""
+def test_the_mi300x_job_validates_tomls_this_line_takes():
+    """ci/mi300x-image.sh's validate steps (a GPU, no --quick): their arguments parse, their TOMLs
+    are the 0.2.x job's, and the FP8 runs get the converter's options (the attention step's
+    attention options too), the bf16 runs none of them."""
     import shlex
 
     from titan_primus.cli import build_parser
     from titan_primus.cli.validate.command import plans
     from titan_primus.cli.validate.lines import CONVERTER_ENV, Line02
 
-    script = (ROOT / "ci" / "mi300x-image.sh").read_text().splitlines()
-    (line,) = [s for s in script if "ci/validate.sh" in s and not s.startswith("#")]
-    name, *argv = shlex.split(line[line.index("ci/validate.sh") :])[1:]
-    assert name == "mi300x"
-    args = build_parser().parse_args(["validate", *argv])
+    script = (ROOT / "ci" / "mi300x-image.sh").read_text().replace("\\\n", " ").splitlines()
+    lines = [s for s in script if "ci/validate.sh" in s and not s.lstrip().startswith("#")]
+    steps = {}
+    for line in lines:
+        name, *argv = shlex.split(line[line.index("ci/validate.sh") :])[1:]
+        steps[name] = build_parser().parse_args(["validate", *argv])
+    assert steps.keys() == {"mi300x", "mi300x-attention"}
+    expected = {
+        "mi300x": ("llama3", TOML, {}),
+        "mi300x-attention": ("deepseek_v3", DEEPSEEK_TOML, {"attention": True, "fp8_attention": True}),
+    }
     trainer = Line02()
-    (plan,) = plans(args, on_gpu=True, line=trainer)
-    assert (plan.module, plan.config, plan.steps, plan.seq_len) == ("llama3", TOML, 300, None)
-    fp8 = trainer.trainer_args(plan, True, 42, Path("dump"), on_gpu=True)
-    bf16 = trainer.trainer_args(plan, False, 42, Path("dump"), on_gpu=True)
-    assert fp8[fp8.index("--job.config_file") + 1] == str(ROOT / TOML)
-    assert "--titan_primus.recipe" in fp8 and "--titan_primus.recipe" not in bf16
-    assert "--model.hf_assets_path" in fp8  # the debug model trains on the shipped tokenizer there too
+    for name, args in steps.items():
+        (plan,) = plans(args, on_gpu=True, line=trainer)
+        module, toml, options = expected[name]
+        assert (plan.module, plan.config, plan.steps, plan.seq_len, plan.fp8_options) == (
+            module,
+            toml,
+            300,
+            None,
+            options,
+        )
+        fp8 = trainer.trainer_args(plan, True, 42, Path("dump"), on_gpu=True)
+        bf16 = trainer.trainer_args(plan, False, 42, Path("dump"), on_gpu=True)
+        assert fp8[fp8.index("--job.config_file") + 1] == str(ROOT / toml)
+        assert "--titan_primus.recipe" in fp8 and "--titan_primus.recipe" not in bf16
+        assert "--model.hf_assets_path" in fp8  # the debug model trains on the shipped tokenizer there too
     assert trainer.run_env(True) == {CONVERTER_ENV: "on"} and trainer.run_env(False) == {CONVERTER_ENV: "off"}
 
 

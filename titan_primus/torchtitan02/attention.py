@@ -77,9 +77,15 @@ def _grouped(attention: nn.Module | None) -> bool:
     return n_kv_heads is not None and n_kv_heads != getattr(attention, "n_heads", n_kv_heads)
 
 
-def attention_swaps(model: nn.Module, router) -> list[tuple[str, nn.Module]]:
+CONTEXT_PARALLEL_KEPT = (
+    "context parallelism shards the sequence, and TorchTitan's _ContextParallel wraps its own attention wrappers only"
+)
+
+
+def attention_swaps(model: nn.Module, router, *, context_parallel: bool = False) -> list[tuple[str, nn.Module]]:
     """(fqn, replacement) for every inner attention of ``model`` the router sends to a backend
-    of titan-primus's (``router``: the converter's LayerRouter, which records every layer)."""
+    of titan-primus's (``router``: the converter's LayerRouter, which records every layer);
+    none under context parallelism."""
     modules = dict(model.named_modules())
     swaps = []
     for fqn, module in modules.items():
@@ -93,6 +99,8 @@ def attention_swaps(model: nn.Module, router) -> list[tuple[str, nn.Module]]:
             site, wrapper = AttentionSite(unmappable=FLEX_KEPT), None
         else:
             continue
+        if context_parallel:
+            site = AttentionSite(unmappable=CONTEXT_PARALLEL_KEPT)
         route = router.attention(fqn, site)
         if route is not None and route.backend is not None:
             swaps.append((fqn, wrapper(route)))

@@ -109,7 +109,7 @@ class Float8Converter:
             for fqn, module in modules:
                 if isinstance(module, GroupedExperts):
                     self._convert_experts(model, fqn, module)
-        for fqn, wrapper in attention_swaps(model, self.router):
+        for fqn, wrapper in attention_swaps(model, self.router, context_parallel=self.parallel_dims.cp > 1):
             _swap(model, fqn, wrapper)
         routed_attention = any(route.backend for route in self.report.attention)
         if (self.report.converted() or routed_attention) and self.model_name:
