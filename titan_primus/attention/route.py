@@ -140,11 +140,7 @@ def route_attention(
     if name == "primus_turbo" and bf16:
         if site.head_dims and any(d % 8 for d in site.head_dims):
             return AttentionRoute(fqn, None, False, f"head dims {site.head_dims}: AITER's kernels take multiples of 8")
-        from ..backends.primus_turbo.attention_bf16 import kernel_settings
-
-        return AttentionRoute(
-            fqn, name, False, f"{site.describe()}; {available}{refused}", kernel_settings=kernel_settings()
-        )
+        return backend_route(fqn, name, fp8=False, device=device, reason=f"{site.describe()}; {available}{refused}")
     if name == "emulated":
         return AttentionRoute(fqn, None, False, f"bf16 attention stays TorchTitan's own off MI300-class GPUs{refused}")
     return AttentionRoute(fqn, None, False, f"the attention option is off{refused}")
