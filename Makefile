@@ -93,12 +93,17 @@ TURBO_BUILDS := v0.3.1 v0.3.2.dev48 v0.4.0 v0.4.1.dev26
 TURBO_ARCHS  := gfx942 gfx950
 # The build AMD's rocm/primus v26.5 image ships beside TorchTitan 0.2.2.
 TURBO_BUILD_TT02 := v0.3.2.dev48
-turbo_run = TRITON_INTERPRET=1 TITAN_PRIMUS_TURBO_BUILD=$(1) TITAN_PRIMUS_TURBO_ARCH=$(2)
+# $(call turbo_run,BUILD,ARCH,VENV), after $(call run,VENV): inductor's cache in a folder per
+# Primus-Turbo build. Its custom ops keep their names across builds while their schemas change
+# (grouped_gemm_fp8_impl gains an argument after v0.3.1), and a compiled graph cached by one build
+# was served to another: "expected at most 13 argument(s) but received 14" at v0.3.1, 2026-12-02.
+turbo_run = TRITON_INTERPRET=1 TITAN_PRIMUS_TURBO_BUILD=$(1) TITAN_PRIMUS_TURBO_ARCH=$(2) \
+	TORCHINDUCTOR_CACHE_DIR=$(call inductor_dir,$(3))/primus-turbo-$(1)
 
 test-turbo: $(STAMP)
 	@set -e; for build in $(TURBO_BUILDS); do for arch in $(TURBO_ARCHS); do \
 		echo "== Primus-Turbo $$build on $$arch (its own code, Triton interpreter)"; \
-		$(call turbo_run,$$build,$$arch) $(call run,$(VENV)) $(PY) $(PYTEST) tests/real_turbo; \
+		$(call run,$(VENV)) $(call turbo_run,$$build,$$arch,$(VENV)) $(PY) $(PYTEST) tests/real_turbo; \
 	done; done
 
 demo: $(STAMP)
@@ -124,7 +129,7 @@ test-tt02: $(STAMP_TT02)
 	$(call run,$(VENV_TT02)) $(PY_TT02) $(PYTEST) tests_tt02 -m "not oldest"
 	@set -e; for arch in $(TURBO_ARCHS); do \
 		echo "== TorchTitan 0.2.x adapter on Primus-Turbo $(TURBO_BUILD_TT02) on $$arch (its own code, Triton interpreter)"; \
-		$(call turbo_run,$(TURBO_BUILD_TT02),$$arch) $(call run,$(VENV_TT02)) $(PY_TT02) $(PYTEST) tests_tt02/real_turbo; \
+		$(call run,$(VENV_TT02)) $(call turbo_run,$(TURBO_BUILD_TT02),$$arch,$(VENV_TT02)) $(PY_TT02) $(PYTEST) tests_tt02/real_turbo; \
 	done
 
 # The TorchTitan 0.2.x suite again, on the oldest supported torch and torchao: every test but the
