@@ -312,12 +312,16 @@ def _row(shape: BenchShape | AttentionShape, backend: str, recipe: str | None) -
     }
 
 
+def _device_and_peak(profile: DeviceProfile):
+    """The device the timings run on, and its published peaks (None where unknown)."""
+    found = peak_for(profile.name)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu"), found[1] if found else None
+
+
 def run_bench(
     shapes, recipes: list[str], timing: tuple[int, int], profile: DeviceProfile, compile: bool = False
 ) -> list[dict]:
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    found = peak_for(profile.name)
-    peak = found[1] if found else None
+    device, peak = _device_and_peak(profile)
     rows = []
     for shape in shapes:
         baseline = _row(shape, "bf16", None)
@@ -341,9 +345,7 @@ def run_bench(
 
 def run_attention_bench(shapes, timing: tuple[int, int], profile: DeviceProfile, compile: bool = False) -> list[dict]:
     """Per attention shape: bf16 SDPA, then each path of :data:`_ATTENTION_PATHS` that runs here."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    found = peak_for(profile.name)
-    peak = found[1] if found else None
+    device, peak = _device_and_peak(profile)
     rows = []
     for shape in shapes:
         baseline = _row(shape, "bf16", None)
