@@ -32,7 +32,14 @@ drop_if_created() {
     done
 }
 
-make lint
+# Each step's wall time on stderr, for the table in docs/ci.md.
+timed() {
+    local start=$SECONDS
+    "$@"
+    echo "== ci/cpu.sh: $* took $((SECONDS - start)) s" >&2
+}
+
+timed make lint
 
 # The real-code tier (make test runs it) fails here instead of skipping where its Primus-Turbo
 # sources are missing (CI set), and ci/primus-turbo.sh brings them where they are not beside the
@@ -53,13 +60,11 @@ if [[ ! -e .venv-oldest ]] && ((free_gb >= 2 * need_gb)); then
     trap 'kill -- -"$oldest_builder" 2>/dev/null || true' EXIT
 fi
 
-make test
-OMP_NUM_THREADS=1 PATH="$PWD/.venv/bin:$PATH" ci/gate.sh cpu
-OMP_NUM_THREADS=1 PATH="$PWD/.venv/bin:$PATH" ci/validate.sh cpu --quick
-# MoE: deepseek_v3 debug on 2 gloo ranks, expert parallel degree 2, FP8 token dispatch (docs/ci.md).
-OMP_NUM_THREADS=1 PATH="$PWD/.venv/bin:$PATH" ci/validate.sh cpu-moe --module deepseek_v3 \
-    --config deepseek_v3_debugmodel --steps 10 --seq-len 64 --nproc 2 --fp8-dispatch \
-    -- --parallelism.expert_parallel_degree 2 --training.disable_cuda_graphs
+timed make test
+timed env OMP_NUM_THREADS=1 PATH="$PWD/.venv/bin:$PATH" ci/gate.sh cpu
+# validate: --quick (llama3) runs in make test's suite, from a wheel of this checkout
+# (tests/test_validate.py), which fails on its verdicts; the MoE validate is the cpu workflow's
+# cpu-moe job (ci/cpu-moe.sh), beside this one.
 drop_if_created .venv
 if [[ -n $oldest_builder ]]; then
     echo "== make setup-oldest (built in the background)"
@@ -70,11 +75,11 @@ if [[ -n $oldest_builder ]]; then
     rm -f "$oldest_log"
     if ((status)); then exit "$status"; fi
 fi
-make test-oldest
+timed make test-oldest
 drop_if_created .venv-oldest
-make test-tt02
+timed make test-tt02
 drop_if_created .venv-tt02
 # The canary on TorchTitan's next line, TorchTitan main (2026-08-21): the 0.3 adapter's converter,
 # shapes, activation-checkpointing and trainer tests.
-make test-tt-next
+timed make test-tt-next
 drop_if_created .venv-tt-next

@@ -27,8 +27,13 @@ def hardware():
 
 
 def pytest_collection_modifyitems(config, items):
-    """Real-hardware tests run only where that hardware is (the MI300X / CUDA CI workflows)."""
+    """Real-hardware tests run only where that hardware is (the MI300X / CUDA CI workflows); the
+    costliest tests start first (scheduling.py)."""
+    from scheduling import costliest_first
+
     from titan_primus import detect_device
+
+    costliest_first(items)
 
     device = detect_device()
     for item in items:

@@ -16,7 +16,6 @@ is made as a CPU-to-GPU move makes it, one ``aten._to_copy`` reaching the shard'
 environment names a build (tests/real_turbo/loader.py: ``TITAN_PRIMUS_TURBO_BUILD`` ...).
 """
 
-import gc
 import logging
 import sys
 
@@ -48,16 +47,8 @@ if backend == "primus_turbo":
     tp.registry.refresh()
 world = dist.get_world_size()
 
-gathered = {"collective": 0, "fp8_hooks": 0, "amax_all_reduces": 0, "gc_collects": 0}
-_all_gather_single, _all_reduce, _gc_collect = dist.all_gather_single, dist.all_reduce, gc.collect
-
-
-def _counting_gc_collect(*args, **kwargs):
-    gathered["gc_collects"] += 1
-    return _gc_collect(*args, **kwargs)
-
-
-gc.collect = _counting_gc_collect
+gathered = {"collective": 0, "fp8_hooks": 0, "amax_all_reduces": 0}
+_all_gather_single, _all_reduce = dist.all_gather_single, dist.all_reduce
 
 
 def _counting_all_reduce(tensor, *args, **kwargs):
@@ -130,7 +121,7 @@ for fp8_all_gather in (False, True):
     model, optimizer = sharded(fp8_all_gather)
     losses, grads, bytes_per_step = [], [], []
     for tokens in batches:
-        gathered.update(collective=0, fp8_hooks=0, amax_all_reduces=0, gc_collects=0)
+        gathered.update(collective=0, fp8_hooks=0, amax_all_reduces=0)
         logits = model(tokens[:, :-1])
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
         loss.backward()
@@ -170,7 +161,6 @@ print_every_rank(
     {
         "losses": [round(float(v), 6) for v in l1],
         "amax_all_reduces_per_step": [b["amax_all_reduces"] for b in b1],
-        "gc_collects_per_step": [b["gc_collects"] for b in b1],
         "bitwise_equal": {"loss": loss_equal, "grads": grads_equal, "weights": weights_equal},
         "fp8_gathered_weights": fp8_gathered,
         "weights_tied": tied,

@@ -65,13 +65,18 @@ def test_any_memory_layout_is_logical_bshd():
         (((1, 96, 2, 32), (1, 96, 2, 32)), "multiple of 64"),
         (((1, 128, 2, 32), (1, 64, 2, 32)), "as many queries as keys"),
         (((1, 128, 3, 32), (1, 128, 2, 32)), "multiple of kv heads"),
+        # Checked on each call too, for layers whose head dims the adapter could not read.
+        (((1, 128, 2, 16), (1, 128, 2, 16)), "head dims \\(16, 16\\)"),
+        (((1, 128, 2, 33), (1, 128, 2, 33)), "head dims \\(33, 33\\)"),
+        (((1, 128, 4, 64), (1, 128, 2, 64), (1, 128, 2, 32)), "grouped-query attention with head dims \\(64, 32\\)"),
     ],
 )
 def test_refuses_what_primus_turbo_cannot_take(shapes, problem):
-    (q_shape, kv_shape) = shapes
+    q_shape, kv_shape, *v_shape = shapes
     q, k = torch.randn(q_shape, dtype=torch.bfloat16), torch.randn(kv_shape, dtype=torch.bfloat16)
+    v = torch.randn(v_shape[0], dtype=torch.bfloat16) if v_shape else k
     with pytest.raises(ValueError, match=problem):
-        fp8_attention(q, k, k, causal=True, softmax_scale=None, fp8_dtype=torch.float8_e4m3fn)
+        fp8_attention(q, k, v, causal=True, softmax_scale=None, fp8_dtype=torch.float8_e4m3fn)
 
 
 def test_nan_input_fails_the_closeness_check():

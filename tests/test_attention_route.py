@@ -93,6 +93,36 @@ def test_models_with_masks_of_their_own_keep_flex_with_the_reason():
     assert all("builds attention masks of its own" in r.reason for r in report.attention), report.summary()
 
 
+def _kimi_k2_7():
+    return importlib.import_module("torchtitan.models.kimi_k2_7").model_registry("debugmodel").model
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_attention_outside_the_decoder_layers_keeps_the_models_own(fp8):
+    """kimi_k2_7's vision encoder attends through a FlexAttention with its own bidirectional
+    padding BlockMask, not the decoder's get_attention_masks: it is never routed (before, it was
+    reported document-causal and crashed on its first call on an MI300), with the reason; the
+    decoder's layers are routed as any decoder's (on Primus-Turbo's code:
+    tests/real_turbo/test_attention_route.py)."""
+    _, report = _converted(_kimi_k2_7(), device="cpu", attention=True, fp8_attention=fp8)
+    routes = {r.fqn: r for r in report.attention}
+    assert len(routes) == 7, report.summary()
+    vision = routes.pop("vision_encoder.block.attn.inner_attention")
+    assert vision.backend is None and "is not in KimiK25Model's decoder layers" in vision.reason, vision
+    assert "vision encoder" in vision.reason
+    assert all(r.fqn.startswith("layers.") and "decoder layers" not in r.reason for r in routes.values())
+
+
+def test_sdpa_sites_are_labelled_causal_or_full_by_their_calls():
+    """TorchTitan's ScaledDotProductAttention takes is_causal per call (flux passes False):
+    the report says so rather than "causal" (deepseek_v3 debug with SDPA, whose MLA head dims
+    qualify for FP8 attention; flux itself needs transformers to import)."""
+    _, report = _converted(model_config("deepseek_v3"), device="cpu", attention=True, fp8_attention=True)
+    assert report.attention and all(r.backend == "emulated" and r.fp8 for r in report.attention), report.summary()
+    assert all("causal or full, as each call's is_causal says" in r.reason for r in report.attention)
+    assert AttentionSite(causal=None).describe() == "causal or full, as each call's is_causal says"
+
+
 def _train(model, steps: int = 3) -> list[float]:
     g = torch.Generator().manual_seed(0)
     return sgd_losses(model, token_ids(2, 128, g), token_ids(2, 128, g), steps)

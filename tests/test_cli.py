@@ -105,6 +105,32 @@ def test_doctor_reports_versions_device_backends_and_routing(capsys):
         assert expected in out
     for backend in ("primus_turbo", "torchao", "emulated"):
         assert f"| {backend}" in out
+    # Which MI300-class part a CPU run imitates, and how to get the other (issue 40).
+    assert 'a CPU run emulates float8_e4m3fn (OCP, MI355X\'s gfx950): device="gfx942"' in out
+    _, named, _ = run_cli(capsys, "doctor", "--device", "gfx942")
+    assert "FP8 formats: float8_e4m3fnuz" in named and "a CPU run emulates" not in named
+
+
+def test_a_torchao_that_renamed_a_symbol_is_a_reason_not_a_crash(capsys, monkeypatch):
+    """TorchAO without ``float8_ops.float8_mm`` (issue 42's simulated rename): doctor reports it and
+    exits 0 (before: ImportError out of doctor --device gfx942), routing passes TorchAO over with
+    the symbol named (here nothing is left: the emulation never stands in on a GPU), and TorchAO named as the backend refuses at routing, not in a step."""
+    import torchao.float8.float8_ops as float8_ops
+
+    monkeypatch.delattr(float8_ops, "float8_mm")
+    tp.registry.refresh()
+    code, out, _ = run_cli(capsys, "doctor", "--json", "--device", "gfx942")
+    assert code == 0
+    doc = json.loads(out)
+    (torchao,) = [b for b in doc["backends"] if b["name"] == "torchao"]
+    assert not torchao["available"] and "lacks torchao.float8.float8_ops.float8_mm" in torchao["reason"]
+    (row,) = [r for r in doc["routing"] if r["op"] == "linear" and r["recipe"] == "tensorwise"]
+    assert row["backend"] is None, row  # nothing else runs FP8 automatically on a GPU without Primus-Turbo
+    assert any(p["backend"] == "torchao" and "float8_mm" in p["reason"] for p in row["passed_over"]), row
+    with pytest.raises(
+        tp.BackendUnavailableError, match=r"lacks torchao\.float8\.float8_ops\.float8_mm.*verified on TorchAO"
+    ):
+        tp.select_backend("linear", "tensorwise", "gfx942", "torchao")
 
 
 def test_doctor_says_what_the_expert_scales_cover_under_expert_parallelism(capsys, monkeypatch):
@@ -290,9 +316,29 @@ def test_parity_fails_when_a_backend_is_wrong_or_crashes(capsys, plugin_backend,
     "required, expected", [("primus_turbo", "unavailable on cpu"), ("no_such_backend", "not a registered backend")]
 )
 def test_parity_fails_when_a_required_backend_does_not_run(capsys, required, expected):
-    code, out, _ = run_cli(capsys, "parity", "--quick", "--require", required)
+    code, out, err = run_cli(capsys, "parity", "--quick", "--require", required)
     assert code == 1
     assert "required backends that did not run" in out and expected in out
+    # Off a terminal (a CI log), each case is named on stderr as it starts: never silent.
+    started = [line for line in err.splitlines() if line.startswith("parity [")]
+    assert started[0].startswith("parity [1/") and "emulated" in started[0], err[:500]
+    assert len(started) == int(started[0].split("/")[1].split("]")[0])
+
+
+def test_progress_names_each_item_before_it_runs():
+    import io
+
+    from titan_primus.cli.progress import progress
+
+    err = io.StringIO()
+    with progress("bench", 2, err) as reporter:
+        reporter.starting("linear w1: bf16, torchao")
+        reporter.finished()
+        reporter.starting("grouped_mm experts: bf16")
+    assert err.getvalue().splitlines() == [
+        "bench [1/2] linear w1: bf16, torchao",
+        "bench [2/2] grouped_mm experts: bf16",
+    ]
 
 
 def test_bench_quick_on_cpu_says_what_cpu_figures_mean(results):

@@ -48,7 +48,8 @@ def logical_lines(script: str):
 
 def commands(script: str) -> list[list[str]]:
     """Each simple command of a shell script as argv: environment assignments dropped, and
-    ``exec COMMAND``, ``setsid COMMAND`` and ``step NAME COMMAND`` (ci/lib.sh) taken as COMMAND."""
+    ``exec COMMAND``, ``setsid COMMAND``, ``env ASSIGNMENTS COMMAND``, ``timed COMMAND``
+    (ci/cpu.sh) and ``step NAME COMMAND`` (ci/lib.sh) taken as COMMAND."""
     found = []
     for line in logical_lines(script):
         lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
@@ -56,8 +57,10 @@ def commands(script: str) -> list[list[str]]:
         current: list[str] = []
         for token in [*lexer, ";"]:
             if token in _SEPARATORS:
-                while current[:1] in (["exec"], ["setsid"], ["step"]):
+                while current[:1] in (["exec"], ["setsid"], ["step"], ["timed"], ["env"]):
                     current = current[2:] if current[0] == "step" else current[1:]
+                    while current[:1] and "=" in current[0]:
+                        current = current[1:]
                 if current:
                     found.append(current)
                 current = []
@@ -415,7 +418,7 @@ def test_the_cpu_job_fetches_the_four_primus_turbo_builds_pinned_by_commit():
     assert any(step.get("run") == "ci/cpu.sh" for step in workflow_steps(ROOT / ".github" / "workflows" / "cpu.yml"))
     cpu = (ROOT / "ci" / "cpu.sh").read_text()
     assert "export CI=${CI:-true}" in cpu and "TITAN_PRIMUS_TURBO_SOURCES=$(ci/primus-turbo.sh)" in cpu
-    assert cpu.index("ci/primus-turbo.sh)") < cpu.index("\nmake test\n")
+    assert cpu.index("ci/primus-turbo.sh)") < cpu.index("\ntimed make test\n")
     pins = primus_turbo_pins()
     builds = re.search(r"^TURBO_BUILDS\s*:=\s*(.+)$", (ROOT / "Makefile").read_text(), re.M)[1].split()
     assert list(pins) == builds and set(pins) == set(stand_ins.BUILDS)

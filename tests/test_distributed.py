@@ -18,7 +18,7 @@ pytestmark = pytest.mark.multiprocess
 HERE = Path(__file__).parent
 
 
-def torchrun_script(script: str, *args: str, env: dict | None = None) -> str:
+def torchrun_script(script: str, *args: str, env: dict | None = None, nproc: int = 2) -> str:
     # The repository root first: its titan_primus, not an installed copy.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE)]), **(env or {})}
     proc = subprocess.run(
@@ -27,7 +27,7 @@ def torchrun_script(script: str, *args: str, env: dict | None = None) -> str:
             "-m",
             "torch.distributed.run",
             "--standalone",
-            "--nproc_per_node=2",
+            f"--nproc_per_node={nproc}",
             str(HERE / script),
             *args,
         ],
@@ -41,12 +41,12 @@ def torchrun_script(script: str, *args: str, env: dict | None = None) -> str:
     return proc.stdout
 
 
-def every_rank(out: str) -> list[dict]:
-    """The figures a script printed with titan_helpers.print_every_rank, rank 0's first; both
-    ranks must have reported."""
+def every_rank(out: str, world: int = 2) -> list[dict]:
+    """The figures a script printed with titan_helpers.print_every_rank, rank 0's first; every
+    rank must have reported."""
     line = next(row for row in out.splitlines() if row.startswith("RESULT "))
     ranks = json.loads(line.removeprefix("RESULT "))
-    assert [r["rank"] for r in ranks] == [0, 1], line
+    assert [r["rank"] for r in ranks] == list(range(world)), line
     return ranks
 
 
@@ -221,7 +221,6 @@ def ep_trainer_runs(
     [
         ("deepseek_v3_debugmodel", 5, "rowwise", 0.0011),
         ("deepseek_v3_debugmodel", 5, "tensorwise", 0.008),
-        ("qwen3_moe_debug", 8, "rowwise", 0.0006),
     ],
 )
 def test_expert_parallel_on_primus_turbo_definitions_tracks_the_same_ranks_without_it(
@@ -231,7 +230,9 @@ def test_expert_parallel_on_primus_turbo_definitions_tracks_the_same_ranks_witho
     alone: the scales that span experts are taken over each rank's experts and the tokens
     routed to them, so the numbers are not bitwise one device's. Measured over 3 steps: at most
     0.011% apart (rowwise: step 1 equal, only wgrad scales differ), 0.08% (tensorwise); bound
-    10x the measured gap (0.11%, 0.8%); qwen3 MoE debug, rowwise: at most 0.006% (bound 0.06%). (On Primus-Turbo's own code:
+    10x the measured gap (0.11%, 0.8%). Not on qwen3's MoE debug model (64 experts of 8 layers:
+    490 s for its two runs on the 2-core machine, 2026-12-04, an eighth of the suite's time);
+    test_token_dispatch.py trains it under EP. (On Primus-Turbo's own code:
     tests/real_turbo/test_expert_parallel.py.) Tensorwise
     with FP8 all-gather on: the expert weights, which EP shards first, are gathered in bf16."""
     fp8_all_gather = recipe == "tensorwise"

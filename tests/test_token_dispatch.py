@@ -29,7 +29,13 @@ from titan_primus.block_scaling import dequantize as dequantize_blocks
 from titan_primus.device import device_profile
 from titan_primus.grouping import group_ids
 from titan_primus.numerics import make_offsets, reference_grouped, run_grouped, sqnr
-from titan_primus.recipes import DEFINITIONS, RECIPE_NAMES, has_definition, with_fp8_dispatch
+from titan_primus.recipes import (
+    DEFINITIONS,
+    RECIPE_NAMES,
+    has_definition,
+    with_fp8_dispatch,
+    with_token_groups_padded_to,
+)
 from titan_primus.scaling import fake_quantize, quantize_per_group
 from titan_primus.token_dispatch import _pack, _unpack, fp8_copy, fp8_dispatch_cast, packed_row_bytes
 from titan_primus.torchtitan.token_dispatch import fp8_dispatcher_config
@@ -148,7 +154,8 @@ def _dispatchers(config):
 def test_the_converter_gives_qualifying_experts_the_fp8_dispatcher_and_reports_every_layer():
     # TorchAO (an SM90 profile): TorchTitan's padding dispatcher for its grouped GEMM, subclassed.
     config, report = convert("deepseek_v3", device="sm90", fp8_dispatch=True)
-    recipe = report.decisions["grouped_mm"].recipe
+    # The experts' recipe says their groups come padded (TorchAO's grouped GEMM pads no more).
+    recipe = with_token_groups_padded_to(report.decisions["grouped_mm"].recipe, 16)
     dispatchers = _dispatchers(config)
     assert len(dispatchers) == 5 and all(
         type(d)._owner.__name__ == "Fp8TorchAOTokenDispatcher"

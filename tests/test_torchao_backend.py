@@ -7,6 +7,7 @@ from doubles import torchao_grouped_kernels
 from helpers import Hardware, make_offsets, run_linear, sqnrs
 
 import titan_primus as tp
+from titan_primus.recipes import with_token_groups_padded_to
 
 
 @pytest.mark.parametrize(
@@ -50,6 +51,7 @@ def test_torchao_grouped_mm_takes_every_layout_and_copies_only_where_torchao_nee
     the emulation's results (TorchAO's definition), forward and backward."""
     received = torchao_grouped_kernels.install(monkeypatch)
     decision = tp.select_backend("grouped_mm", "rowwise", "sm90", "torchao")
+    recipe = with_token_groups_padded_to(decision.recipe, 16)  # as the converters say it
     offs = make_offsets([16, 0, 32, 16])  # aligned, as the converter's dispatcher pads them; one empty
     A = torch.randn(80, 64).bfloat16()  # 16 rows past the groups
     W = (torch.randn(4, 48, 64) * 0.05).bfloat16()  # [E, N, K], TorchTitan's expert weights
@@ -59,7 +61,7 @@ def test_torchao_grouped_mm_takes_every_layout_and_copies_only_where_torchao_nee
         (A.clone() if a_layout == "row-major" else A.t().contiguous().t()).requires_grad_(),
         (B_t if b_layout.startswith("TorchTitan") else B_t.contiguous()).requires_grad_(),
     ]
-    out = decision.backend.grouped_mm(*leaves, offs, decision.recipe)
+    out = decision.backend.grouped_mm(*leaves, offs, recipe)
     out.backward(grad)
     got = [out, *(t.grad for t in leaves)]
 
@@ -81,6 +83,99 @@ def test_torchao_grouped_mm_takes_every_layout_and_copies_only_where_torchao_nee
     reference = [ref, *(t.grad for t in emulated)]
     assert all(t is not None for t in reference)
     assert min(sqnrs(reference, got)) >= 40, sqnrs(reference, got)  # measured: bitwise equal
+
+
+def _grouped_step(backend, A, W, offs, recipe, grad):
+    leaves = [A.clone().requires_grad_(), W.clone().requires_grad_()]
+    out = backend.grouped_mm(leaves[0], leaves[1].transpose(-2, -1), offs, recipe)
+    out.backward(grad)
+    return [out, *(t.grad for t in leaves)]
+
+
+def test_torchao_grouped_mm_pads_unaligned_and_empty_groups_itself(monkeypatch):
+    """torch._scaled_grouped_mm needs 16-byte strides and group starts along the weight
+    gradient's contraction (an H200 raised "strides should be multiple of 16 bytes" for groups of
+    9, 0, 21, 6 rows and 5 trailing, K=64, N=32), and TorchAO 0.18 leaves padding to the caller.
+    The backend pads each group with zero rows itself: output, grad_A and grad_B are bitwise
+    those of the same groups padded by hand to 16 rows, as a padding dispatcher delivers them
+    (``token_groups_padded_to``), on the kernel stand-ins, which refuse what the kernel refuses
+    (next test); rows past offs[-1] get zero output and gradient."""
+    torchao_grouped_kernels.install(monkeypatch)
+    decision = tp.select_backend("grouped_mm", "rowwise", "sm90", "torchao")
+    sizes, trailing = [9, 0, 21, 6], 5
+    generator = torch.Generator().manual_seed(0)
+    A = torch.randn(sum(sizes) + trailing, 64, generator=generator).bfloat16()
+    W = (torch.randn(4, 32, 64, generator=generator) * 0.05).bfloat16()  # [E, N, K]
+    grad = torch.randn(A.shape[0], 32, generator=generator).bfloat16()
+    got = _grouped_step(decision.backend, A, W, make_offsets(sizes), decision.recipe, grad)
+
+    # The same groups padded by hand: each group's rows first, then zero rows up to 16.
+    starts, padded_starts, rows = [0], [0], []
+    for size in sizes:
+        rows += range(padded_starts[-1], padded_starts[-1] + size)
+        starts.append(starts[-1] + size)
+        padded_starts.append(padded_starts[-1] + -(-size // 16) * 16)
+    where = torch.tensor(rows)
+    padded_A = torch.zeros(padded_starts[-1], 64, dtype=A.dtype).index_copy(0, where, A[: starts[-1]])
+    padded_grad = torch.zeros(padded_starts[-1], 32, dtype=A.dtype).index_copy(0, where, grad[: starts[-1]])
+    aligned = with_token_groups_padded_to(decision.recipe, 16)
+    padded_offs = torch.tensor(padded_starts[1:], dtype=torch.int32)
+    expected = _grouped_step(decision.backend, padded_A, W, padded_offs, aligned, padded_grad)
+
+    assert torch.equal(got[0][: starts[-1]], expected[0][where])
+    assert torch.equal(got[1][: starts[-1]], expected[1][where])
+    assert torch.equal(got[2], expected[2])
+    assert not got[0][starts[-1] :].any() and not got[1][starts[-1] :].any()
+    assert all(t.isfinite().all() for t in got)
+    # Told the groups are padded when they are not, the backend hands them on: the stand-in
+    # raises where the GPU kernel did.
+    with pytest.raises(RuntimeError, match="multiple of 16 bytes"):
+        _grouped_step(decision.backend, A, W, make_offsets(sizes), aligned, grad)
+
+
+@pytest.mark.parametrize(
+    "case, match",
+    [
+        ("41 tokens: grad_B's stride", "multiple of 16 bytes"),
+        ("groups of 8 tokens along grad_B's contraction", "not multiples of 16 bytes"),
+        ("mat_b row-major", "column major"),
+        ("bf16 operands", "E4M3 FP8"),
+        ("misaligned data pointer", "aligned to 16 bytes"),
+    ],
+)
+def test_the_grouped_gemm_stand_in_refuses_what_the_kernel_refuses(case, match):
+    """Each rule of torchao_grouped_kernels.kernel_preconditions, from the upstream source it
+    cites, fails the stand-in on a CPU as it fails torch._scaled_grouped_mm on the GPU."""
+    e4m3 = torch.float8_e4m3fn
+
+    def grad_b_operands(tokens: int, offs: list[int]):
+        """grad_B's GEMM as TorchAO makes it: grad_out^T [N, M] row-major @ A [M, K] column-major,
+        groups along M, one scale per (group, row) and (group, column)."""
+        grad_t = torch.zeros(32, tokens, dtype=e4m3)
+        a = torch.zeros(48, tokens, dtype=e4m3).t()
+        return [
+            grad_t,
+            a,
+            torch.ones(32 * len(offs)),
+            torch.ones(48 * len(offs)),
+            torch.tensor(offs, dtype=torch.int32),
+        ]
+
+    valid = grad_b_operands(48, [16, 48])
+    torchao_grouped_kernels.kernel_preconditions(*valid, torch.bfloat16)  # the valid call passes
+    args = valid
+    if case.startswith("41"):
+        args = grad_b_operands(41, [9, 41])
+    elif case.startswith("groups"):
+        args = grad_b_operands(48, [8, 48])
+    elif case.startswith("mat_b"):
+        args[1] = args[1].contiguous()
+    elif case.startswith("bf16"):
+        args[0] = args[0].bfloat16()
+    else:
+        args[0] = torch.zeros(32 * 48 + 1, dtype=e4m3)[1:].view(32, 48)
+    with pytest.raises(RuntimeError, match=match):
+        torchao_grouped_kernels.scaled_grouped_mm(*args, out_dtype=torch.bfloat16)
 
 
 @pytest.fixture(params=[pytest.param("cuda", marks=pytest.mark.cuda), "cpu"])

@@ -32,6 +32,8 @@ import corrupt_backend  # noqa: E402
 
 QUICK_STEPS = 20
 pytestmark = pytest.mark.trainer
+# One worker runs every test of the shared quick run (tests/scheduling.py).
+shares_the_quick_run = pytest.mark.xdist_group("validate_quick")
 
 
 def _validate(*args: str, env: dict | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
@@ -83,6 +85,7 @@ def _verdict(doc: dict, name: str) -> dict:
     return verdict
 
 
+@shares_the_quick_run
 def test_quick_run_as_installed_passes_and_records_every_step(quick):
     code, markdown, _, doc, installed = quick
     assert code == 0, markdown
@@ -111,6 +114,7 @@ def test_quick_run_as_installed_passes_and_records_every_step(quick):
     assert "PASS" in markdown and "seed floor" in markdown
 
 
+@shares_the_quick_run
 def test_report_renders_the_curves(quick, tmp_path):
     _, _, path, _, _ = quick
     png = tmp_path / "curves.png"
@@ -127,6 +131,7 @@ def test_report_renders_the_curves(quick, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@shares_the_quick_run
 def test_against_its_own_json_passes(quick):
     _, _, path, doc, _ = quick
     judged = _judged(doc, load_document(str(path)))
@@ -136,6 +141,7 @@ def test_against_its_own_json_passes(quick):
     assert "the same backends, definitions and layers as the baseline" in _verdict(judged, "fp8 engaged")["text"]
 
 
+@shares_the_quick_run
 def test_a_baseline_with_5_percent_lower_losses_fails_on_the_loss(quick):
     _, _, _, doc, _ = quick
     lower = copy.deepcopy(doc)
@@ -151,6 +157,7 @@ def test_a_baseline_with_5_percent_lower_losses_fails_on_the_loss(quick):
     assert "5.26%" in text and "last-bit floor" in text, text
 
 
+@shares_the_quick_run
 def test_a_weight_gradient_off_in_scale_fails_the_grad_norm_level(quick):
     """AdamW hides a weight gradient's scale from the loss; the grad norm shows it."""
     _, _, _, doc, _ = quick
@@ -164,6 +171,7 @@ def test_a_weight_gradient_off_in_scale_fails_the_grad_norm_level(quick):
     assert _verdict(_judged(off, doc), "fp8 grad-norm level vs baseline")["status"] == "fail"
 
 
+@shares_the_quick_run
 def test_zero_floors_are_no_bound(quick):
     """A seed floor of zero (the seed run equals bf16) and a last-bit floor of zero fail the
     verdicts they bound, even where the gap is zero too."""
@@ -178,6 +186,7 @@ def test_zero_floors_are_no_bound(quick):
         assert verdict["status"] == "fail" and "no bound" in verdict["text"], verdict
 
 
+@shares_the_quick_run
 def test_fp8_that_fell_away_fails_fp8_engaged(quick):
     _, _, _, doc, _ = quick
     # The FP8 run's curve is bf16's: FP8 changed nothing.
@@ -229,6 +238,7 @@ def test_fp8_that_fell_away_fails_fp8_engaged(quick):
     assert verdict["status"] == "fail" and "linear ran on emulated, not torchao" in verdict["text"], verdict
 
 
+@shares_the_quick_run
 def test_a_baseline_compares_like_with_like(quick, tmp_path):
     """Other steps fail, naming them, before any training (seconds); allowed, they are compared on
     the steps both have."""
@@ -261,6 +271,7 @@ def test_a_baseline_compares_like_with_like(quick, tmp_path):
     assert {m["field"] for m in mismatches(doc["results"], settings, other)} == {"seed", "fp8_options"}
 
 
+@shares_the_quick_run
 @pytest.mark.parametrize("missing", ["fp8 run", "tps", "routing_data", "steps setting"])
 def test_a_baseline_missing_a_run_or_a_field_exits_2_at_once(quick, tmp_path, missing):
     _, _, _, doc, _ = quick
@@ -290,6 +301,7 @@ def test_a_baseline_missing_a_run_or_a_field_exits_2_at_once(quick, tmp_path, mi
     assert time.perf_counter() - started < 60
 
 
+@shares_the_quick_run
 def test_a_nan_loss_fails_every_loss_verdict(quick):
     _, _, _, doc, _ = quick
     nan = copy.deepcopy(doc)
@@ -299,6 +311,7 @@ def test_a_nan_loss_fails_every_loss_verdict(quick):
         assert _verdict(judged, name)["status"] == "fail", _verdict(judged, name)
 
 
+@shares_the_quick_run
 def test_grad_norm_spikes_bf16_lacks_are_judged_against_the_seed_floor(quick):
     _, _, _, doc, _ = quick
     s = doc["settings"]
@@ -328,9 +341,11 @@ def _plugin_env(tmp_path: Path, module, **extra) -> dict:
 
 
 def test_a_corrupted_backend_fails_the_convergence_verdict(tmp_path):
-    env = _plugin_env(tmp_path, corrupt_backend, TITAN_PRIMUS_BACKEND="corrupted", **{corrupt_backend.ENV: "rows:8"})
+    """A backend wrong from step 3 on (tests/corrupt_backend.py), over 10 steps: one window of the
+    loss verdict, half the quick run's cost."""
+    env = _plugin_env(tmp_path, corrupt_backend, TITAN_PRIMUS_BACKEND="corrupted", **{corrupt_backend.ENV: "rows:3"})
     path = tmp_path / "corrupted.json"
-    proc = _validate("--json", str(path), env=env)
+    proc = _validate("--steps", "10", "--json", str(path), env=env)
     assert proc.returncode == 1, proc.stdout + proc.stderr[-4000:]
     doc = json.loads(path.read_text())
     assert "-> corrupted" in (doc["results"][0]["routing"] or ""), proc.stdout + proc.stderr[-4000:]
@@ -369,14 +384,14 @@ def test_the_fp8_only_options_reach_the_fp8_runs_only():
     )
 
 
-@pytest.mark.parametrize("script", ["cpu.sh", "cuda.sh"])
+@pytest.mark.parametrize("script", ["cpu-moe.sh", "cuda.sh"])
 def test_ci_jobs_run_validate_with_arguments_it_takes(script):
     text = (ROOT / "ci" / script).read_text().replace("\\\n", " ")  # continued lines joined
     lines = [line for line in text.splitlines() if "ci/validate.sh" in line and not line.startswith("#")]
     assert lines, f"ci/{script} runs no validate"
     for line in lines:
         name, *argv = shlex.split(line[line.index("ci/validate.sh") :])[1:]
-        assert name.split("-")[0] == script.removesuffix(".sh")
+        assert name.split("-")[0] == script.removesuffix(".sh").split("-")[0]
         build_parser().parse_args(["validate", *argv])  # exits (fails the test) on an unknown option
 
 
@@ -458,6 +473,7 @@ def test_under_pipeline_parallelism_the_steps_come_from_the_last_stage(tmp_path)
     assert all(abs(s["loss"] - real[s["step"]]) < 1e-4 for s in steps), (steps, real)
 
 
+@shares_the_quick_run
 def test_the_readme_upgrade_command_takes_its_configs_from_the_baseline(quick):
     """`titan-primus validate --baseline last-good.json` on a GPU (no --config): the baseline's
     configs and settings, each overridable on the command line."""

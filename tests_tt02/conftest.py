@@ -39,3 +39,10 @@ def _restore_token_group_alignment():
     saved = moe_utils.TOKEN_GROUP_ALIGN_SIZE_M
     yield
     moe_utils.TOKEN_GROUP_ALIGN_SIZE_M = saved
+
+
+def pytest_collection_modifyitems(config, items):
+    """The costliest tests start first (tests/scheduling.py)."""
+    from scheduling import costliest_first
+
+    costliest_first(items)

@@ -21,6 +21,8 @@ QUICK_STEPS = 20
 TOML = "examples/torchtitan02/llama3_debug_fp8.toml"
 DEEPSEEK_TOML = "examples/torchtitan02/deepseek_v3_debug_fp8.toml"
 pytestmark = pytest.mark.trainer
+# One worker runs the module's quick run and every test of it (tests/scheduling.py).
+shares_the_quick_run = pytest.mark.xdist_group("validate_quick")
 
 
 def _validate(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -45,6 +47,7 @@ def _conclude(doc: dict, baseline: dict) -> dict:
     return judge_document(copy.deepcopy(doc), baseline)
 
 
+@shares_the_quick_run
 def test_quick_run_passes_and_records_every_step(quick):
     code, markdown, _, doc = quick
     assert code == 0, markdown
@@ -67,6 +70,7 @@ def test_quick_run_passes_and_records_every_step(quick):
     assert result["runs"]["fp8"]["routing_data"]["ops"]["linear"]["backend"] == "emulated"
 
 
+@shares_the_quick_run
 def test_against_its_own_json_passes(quick):
     _, _, path, doc = quick
     judged = _conclude(doc, load_document(str(path)))
@@ -74,6 +78,7 @@ def test_against_its_own_json_passes(quick):
     assert any(v["name"] == "fp8 loss curve vs baseline" for v in judged["results"][0]["verdicts"])
 
 
+@shares_the_quick_run
 def test_a_baseline_with_5_percent_lower_losses_fails_on_the_loss(quick):
     _, _, _, doc = quick
     lower = copy.deepcopy(doc)
@@ -175,16 +180,17 @@ def test_a_stock_toml_gets_the_converter_in_the_fp8_runs_only(fp8, tmp_path, mon
 
 def test_a_corrupted_backend_fails_the_convergence_verdict(tmp_path):
     """The FP8 runs of the 0.2.x trainer go through the backend routing picks: one made wrong from
-    step 8 on (tests/corrupt_backend.py) fails FP8's curve against bf16."""
+    step 3 on (tests/corrupt_backend.py) fails FP8's curve against bf16, over 10 steps (one window
+    of the loss verdict, half the quick run's cost)."""
     corrupt_backend.write_entry_point(tmp_path)
     env = {
         "PYTHONPATH": os.pathsep.join([str(ROOT), str(Path(corrupt_backend.__file__).parent), str(tmp_path)]),
         "TITAN_PRIMUS_BACKEND": "corrupted",
-        corrupt_backend.ENV: "rows:8",
+        corrupt_backend.ENV: "rows:3",
         "TITAN_PRIMUS_DISABLE_PLUGIN_AUTOLOAD": "",  # conftest turns plugins off; this one is the point
     }
     path = tmp_path / "corrupted.json"
-    proc = _validate("--json", str(path), env=env)
+    proc = _validate("--steps", "10", "--json", str(path), env=env)
     assert proc.returncode == 1, proc.stdout + proc.stderr[-4000:]
     doc = load_document(str(path))
     assert "-> corrupted" in (doc["results"][0]["routing"] or ""), proc.stdout

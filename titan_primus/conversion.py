@@ -28,25 +28,16 @@ __all__ = [
     "LayerRoute",
     "LayerRouter",
     "check_parallelism",
-    "group_alignment",
     "keep_fp8_cast_rounding_under_inductor",
     "too_small_for_fp8",
 ]
 
 logger = logging.getLogger("titan_primus")
 
+
 # Token-group alignment a backend's FP8 grouped GEMM needs. TorchAO's needs every group padded
 # to a multiple of 16, and of its MX block (32) for mxfp8; Primus-Turbo and the emulation take
 # ragged groups (Primus-Turbo pads each group to its block inside its block-scaled kernels).
-_GROUP_ALIGNMENT = {"torchao": 16, ("torchao", "mxfp8"): 32}
-
-
-def group_alignment(backend_name: str, recipe: str | None = None) -> int | None:
-    """Multiple that every token group must be padded to for ``backend_name``'s grouped GEMM
-    with ``recipe``, or None when it takes ragged groups."""
-    return _GROUP_ALIGNMENT.get((backend_name, recipe), _GROUP_ALIGNMENT.get(backend_name))
-
-
 def too_small_for_fp8(recipe: str, k: int, n: int) -> bool:
     """Linears whose FP8 GEMMs are not faster than bf16, per TorchAO's H100 measurements
     (torchao/float8 README performance tables; the heuristic TorchAO's _auto_filter_for_recipe

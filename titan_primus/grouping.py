@@ -16,6 +16,7 @@ __all__ = [
     "group_ids",
     "group_bounds",
     "mask_trailing_rows_of_grad",
+    "padded_groups",
     "rows_known",
     "zero_trailing_rows",
 ]
@@ -78,3 +79,21 @@ def mask_trailing_rows_of_grad(t: torch.Tensor, offs: torch.Tensor) -> torch.Ten
     for a kernel that leaves those rows of its input gradient undefined but reads nothing of
     them in the input."""
     return _MaskTrailingRowsOfGrad.apply(t, offs)
+
+
+def padded_groups(offs: torch.Tensor, rows: int, alignment: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Where each of ``rows`` rows goes when every group is padded with zero rows to a multiple
+    of ``alignment`` rows: (the destination row of each row, the padded groups' end offsets, the
+    padded row count). Rows past ``offs[-1]`` follow the last padded group. No host sync: the
+    padded row count is a bound from shapes, ``rows`` rounded up plus ``alignment`` per group, so
+    it is itself a multiple of ``alignment``."""
+    lens = group_lens(offs)
+    padded_lens = (lens + alignment - 1) // alignment * alignment
+    padded_ends = torch.cumsum(padded_lens, 0)
+    # Start of each group, and of the trailing rows as group len(offs), before and after padding.
+    starts = torch.cat([offs.to(torch.int64) - lens, offs[-1:].to(torch.int64)])
+    padded_starts = torch.cat([padded_ends - padded_lens, padded_ends[-1:]])
+    ids = group_ids(offs, rows)
+    destination = padded_starts[ids] + torch.arange(rows, device=offs.device) - starts[ids]
+    padded_rows = -(-rows // alignment) * alignment + alignment * offs.shape[0]
+    return destination, padded_ends.to(offs.dtype), padded_rows

@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .backends.base import Op
 from .fsdp_fp8 import fp8_all_gather_plan, quantize_weight
-from .recipes import Fp8Recipe
+from .recipes import Fp8Recipe, with_token_groups_padded_to
 
 __all__ = ["CATEGORIES", "LayerShape", "AUDIT_SHAPES", "audit_layer", "kept_for_backward", "recording_saved_tensors"]
 
@@ -174,6 +174,9 @@ def audit_layer(
         def forward(x, weight):
             return backend.linear(x, weight, None, recipe)
     else:
+        # Groups as the converters deliver them (the audit's are aligned): padded by the
+        # dispatcher where the backend needs it, so the backend pads nothing again.
+        recipe = with_token_groups_padded_to(recipe, backend.group_alignment(recipe))
 
         def forward(x, weight):
             return backend.grouped_mm(x, weight.transpose(-2, -1), offs, recipe)

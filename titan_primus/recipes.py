@@ -48,6 +48,7 @@ __all__ = [
     "make_recipe",
     "check_recipe_name",
     "with_fp8_dispatch",
+    "with_token_groups_padded_to",
 ]
 
 RECIPE_NAMES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8", "blockwise")
@@ -144,6 +145,12 @@ class Fp8Recipe:
     as DeepSeek-V3 does. Only where ``fp8_dispatch_refusal`` is None. What the tokens are sent in
     is ``titan_primus.token_dispatch.fp8_dispatch_cast`` of the recipe, which reads this field:
     the dispatchers take their cast from it, so the recipe says what they send."""
+    token_groups_padded_to: int | None = None
+    """The token dispatcher in front of the experts pads every group to a multiple of this many
+    rows (the converters install TorchTitan's padding dispatcher where a backend's grouped GEMM
+    needs aligned groups: ``Fp8Backend.group_alignment``), so the backend need not pad them
+    again. None: groups of any size, empty ones included, which a backend that needs alignment
+    pads itself (bitwise the same result)."""
     sixteen_bit_gemms: bool = False
     """Every FP8 GEMM writes bfloat16 or float16 only (Primus-Turbo: no backend of
     ``kernels/gemm/gemm_fp8_impl.py`` lists float32 output in its SUPPORTED_DTYPES), so a
@@ -352,6 +359,13 @@ def make_recipe(name: str, definition: str, device: DeviceProfile) -> Fp8Recipe:
     gemms, options = _TABLE[name, definition]
     formats = (torch.float8_e4m3fn, torch.float8_e5m2) if name in _OCP_ONLY else (device.e4m3, device.e5m2)
     return Fp8Recipe(name, definition, *gemms, e4m3=formats[0], e5m2=formats[1], **options)
+
+
+def with_token_groups_padded_to(recipe: Fp8Recipe, alignment: int | None) -> Fp8Recipe:
+    """``recipe`` for experts behind a dispatcher that pads each token group to ``alignment``
+    rows (a backend's ``group_alignment``: the converters install such a dispatcher); None:
+    ``recipe`` as it is."""
+    return recipe if alignment is None else replace(recipe, token_groups_padded_to=alignment)
 
 
 def with_fp8_dispatch(recipe: Fp8Recipe) -> Fp8Recipe:

@@ -5,9 +5,11 @@ quantizers and ``torch._scaled_grouped_mm``, none of which runs on a CPU. With t
 TorchAO's own Python runs for real (its layout and shape asserts, its autograd Function, the
 transposes between the kernels) and only the kernels are replaced: each stand-in computes what the
 TorchAO 0.18 kernel does (fp32 scales ``fp8_max / max(amax, 1e-12)`` taken in float64, floored to
-a power of 2; scale, clamp, cast), returns the layouts it returns, and the GEMM checks the
-layouts the CUDA kernel requires (A row-major, B column-major). Rows past the last group are left
-NaN, as undefined as the kernel leaves them. Evidence about TorchAO's Python, not its kernels.
+a power of 2; scale, clamp, cast), returns the layouts it returns, and the GEMM refuses what the
+CUDA kernel refuses (:func:`kernel_preconditions`: torch's own checks of dtypes, layouts and
+16-byte strides, run on meta copies of the operands, the 16-byte aligned data pointers, and
+TorchAO's group sizes in multiples of 16). Rows past the last group are left NaN, as undefined as
+the kernel leaves them. Evidence about TorchAO's Python, not its kernels.
 
 What the memory audit measures on it is therefore what TorchAO 0.18 itself keeps: its
 ``_Float8GroupedMM.forward`` saves ``padded_A`` (A as handed over, ``pad_token_groups_for_grouped_mm``
@@ -80,13 +82,55 @@ def per_group_colwise_scales_dual(
     return tuple(out)
 
 
+ALIGNMENT_BYTES = 16
+
+
+def kernel_preconditions(mat_a, mat_b, scale_a, scale_b, offs, out_dtype) -> None:
+    """Raise where ``torch._scaled_grouped_mm``'s CUDA kernel raises (or computes nothing
+    defined):
+
+    - torch's own checks, run on meta tensors with the operands' shapes and strides: FP8 E4M3
+      operands, ``mat_a`` row-major and ``mat_b`` column-major, the leading stride of each a
+      multiple of 16 bytes ("strides should be multiple of 16 bytes" on an H200, 2026-12-03,
+      for grad_B over 41 tokens), float32 scales of the right shapes (torch/_meta_registrations.py,
+      ``_meta_grouped_mm_common``, which implements aten/src/ATen/native/cuda/Blas.cpp's checks);
+    - each operand's data pointer 16-byte aligned, which the meta check cannot see ("expected
+      data_ptr to be aligned to 16 bytes": ``check_valid_strides_and_return_transposed``,
+      aten/src/ATen/native/GroupedMMUtils.h, called for both operands before the kernel);
+    - every group boundary a multiple of 16 rows where groups split the contraction (2-D x 2-D,
+      the weight gradient), so each group's operands start 16-byte aligned for the kernel's TMA
+      loads. torch does not check this one (it would need the offsets on the host): the GPU
+      computes with misaligned groups, undefined, and TorchAO 0.18 states it as its op's
+      precondition: "Group sizes must be divisible by 16"
+      (torchao/prototype/moe_training/fp8_grouped_mm.py, docstring of
+      ``_to_fp8_rowwise_then_scaled_grouped_mm``).
+
+    TorchAO's Triton quantizers' stand-ins check no preconditions: theirs were not read."""
+
+    def meta(t):
+        return None if t is None else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+    torch.ops.aten._scaled_grouped_mm.default(
+        meta(mat_a), meta(mat_b), meta(scale_a), meta(scale_b), meta(offs), out_dtype=out_dtype
+    )
+    for name, mat in (("mat_a", mat_a), ("mat_b", mat_b)):
+        if mat.data_ptr() % ALIGNMENT_BYTES:
+            raise RuntimeError(f"{name}: expected data_ptr to be aligned to 16 bytes")
+    if mat_a.dim() == mat_b.dim() == 2:
+        unaligned = [end for end in offs.tolist() if end * mat_a.element_size() % ALIGNMENT_BYTES]
+        if unaligned:
+            raise RuntimeError(
+                f"group boundaries {unaligned} along the contraction are not multiples of 16 bytes "
+                f"(TorchAO: group sizes must be divisible by 16)"
+            )
+
+
 def scaled_grouped_mm(
     mat_a, mat_b, scale_a, scale_b, offs=None, bias=None, scale_result=None, out_dtype=None, use_fast_accum=False
 ):
     """``torch._scaled_grouped_mm`` with reciprocal scales: 2-D x 3-D (groups of rows of
     ``mat_a``) or 2-D x 2-D (groups along the contraction, one [N, K] output per group)."""
-    assert mat_a.stride(-1) == 1, f"mat_a must be row-major, strides {mat_a.stride()}"
-    assert mat_b.stride(-2) == 1, f"mat_b must be column-major, strides {mat_b.stride()}"
+    kernel_preconditions(mat_a, mat_b, scale_a, scale_b, offs, out_dtype)
     ends = offs.tolist()
     groups = list(zip([0, *ends[:-1]], ends))
     if mat_b.dim() == 3:

@@ -18,7 +18,13 @@ v0.3.1, v0.3.2.dev48, v0.4.0 and v0.4.1.dev26):
 - GQA: query head h reads key/value head ``h // (Hq // Hkv)``;
 - the softmax in fp32 of ``scale · q·kᵀ``, its output rounded to q's dtype once; the LSE is
   fp32, (Hq, total); gradients computed in fp32 and rounded once,
-  written into the ``dq``/``dk``/``dv`` buffers (the forward writes ``out=`` where given).
+  written into the ``dq``/``dk``/``dv`` buffers (the forward writes ``out=`` where given);
+- the grid is sized by ``max_seqlen_q`` (forward; and ``max_seqlen_k`` for the backward's
+  key blocks): queries (keys) of a sequence past it are not computed, their rows left as they
+  were, here NaN, so a caller passing too short a length fails any closeness check;
+- the backward recomputes P from the saved LSE (``exp(scale·q·kᵀ - lse)``) and Delta from the
+  saved output (``rowsum(dO ∘ out)``), as flash-attention's backward does, so a caller handing it
+  a wrong LSE or output gets wrong gradients, as from the real kernel.
 
 Dropout, bias, ALiBi and sinks are refused (nothing titan-primus routes uses them). The numbers
 differ from AITER's in rounding only (its fp32 accumulation order): the bound the tests take
@@ -55,10 +61,15 @@ def _allowed(sq: int, sk: int, causal: bool, left: int, right: int, device) -> t
     return ok
 
 
+def _scores(q, k, allowed, scale):
+    """q (H, Sq, D), k (Hkv, Sk, D) fp32 -> masked scaled scores (H, Sq, Sk)."""
+    k = k.repeat_interleave(q.shape[0] // k.shape[0], 0)
+    return ((q @ k.transpose(-1, -2)) * scale).masked_fill(~allowed, float("-inf"))
+
+
 def _probabilities(q, k, allowed, scale):
     """q (H, Sq, D), k (Hkv, Sk, D) fp32 -> softmax probabilities (H, Sq, Sk) and LSE (H, Sq)."""
-    k = k.repeat_interleave(q.shape[0] // k.shape[0], 0)
-    s = ((q @ k.transpose(-1, -2)) * scale).masked_fill(~allowed, float("-inf"))
+    s = _scores(q, k, allowed, scale)
     lse = torch.logsumexp(s, dim=-1)
     return torch.exp(s - lse[..., None]).nan_to_num(0.0), lse
 
@@ -67,15 +78,17 @@ def _heads_first(t, start, end):
     return t[start:end].float().transpose(0, 1)
 
 
-def _forward_thd(q, k, v, segments, scale, causal, left, right):
-    """THD q (T, H, D): out (T, H, Dv) fp32 and lse (H, T) fp32, sequence by sequence."""
-    out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=torch.float32)
-    lse = q.new_full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32)
+def _forward_thd(q, k, v, segments, scale, causal, left, right, max_seqlen_q):
+    """THD q (T, H, D): out (T, H, Dv) fp32 and lse (H, T) fp32, sequence by sequence; the
+    queries of a sequence past ``max_seqlen_q`` are not computed (NaN)."""
+    out = q.new_full((q.shape[0], q.shape[1], v.shape[-1]), float("nan"), dtype=torch.float32)
+    lse = q.new_full((q.shape[1], q.shape[0]), float("nan"), dtype=torch.float32)
     for (q0, q1), (k0, k1) in segments:
-        allowed = _allowed(q1 - q0, k1 - k0, causal, left, right, q.device)
-        p, lse[:, q0:q1] = _probabilities(_heads_first(q, q0, q1), _heads_first(k, k0, k1), allowed, scale)
+        computed = min(q1, q0 + max_seqlen_q)
+        allowed = _allowed(q1 - q0, k1 - k0, causal, left, right, q.device)[: computed - q0]
+        p, lse[:, q0:computed] = _probabilities(_heads_first(q, q0, computed), _heads_first(k, k0, k1), allowed, scale)
         vh = _heads_first(v, k0, k1)
-        out[q0:q1] = (p @ vh.repeat_interleave(q.shape[1] // v.shape[1], 0)).transpose(0, 1)
+        out[q0:computed] = (p @ vh.repeat_interleave(q.shape[1] // v.shape[1], 0)).transpose(0, 1)
     return out, lse
 
 
@@ -84,23 +97,26 @@ def _per_kv_head(grad, group):
     return grad.unflatten(0, (-1, group)).sum(1).transpose(0, 1)
 
 
-def _backward_thd(dout, q, k, v, segments, scale, causal, left, right):
-    """The softmax-attention gradients in fp32: dV = Pᵀ·dO, dS = P∘(dO·Vᵀ - rowsum(dO∘O)),
-    dQ = scale·dS·K, dK = scale·dSᵀ·Q, summed over each key/value head's query group."""
-    dq, dk, dv = (torch.zeros_like(t, dtype=torch.float32) for t in (q, k, v))
+def _backward_thd(dout, q, k, v, out, lse, segments, scale, causal, left, right, max_seqlen_q, max_seqlen_k):
+    """The softmax-attention gradients in fp32 from the saved output and LSE: P = exp(S - lse),
+    dV = Pᵀ·dO, dS = P∘(dO·Vᵀ - rowsum(dO∘out)), dQ = scale·dS·K, dK = scale·dSᵀ·Q, summed over
+    each key/value head's query group; queries (keys) of a sequence past ``max_seqlen_q``
+    (``max_seqlen_k``) not computed (NaN)."""
+    dq, dk, dv = (torch.full_like(t, float("nan"), dtype=torch.float32) for t in (q, k, v))
     group = q.shape[1] // k.shape[1]
     for (q0, q1), (k0, k1) in segments:
         allowed = _allowed(q1 - q0, k1 - k0, causal, left, right, q.device)
-        qh, kh, vh, doh = (
-            _heads_first(t, *r) for t, r in ((q, (q0, q1)), (k, (k0, k1)), (v, (k0, k1)), (dout, (q0, q1)))
+        qh, kh, vh, doh, oh = (
+            _heads_first(t, *r)
+            for t, r in ((q, (q0, q1)), (k, (k0, k1)), (v, (k0, k1)), (dout, (q0, q1)), (out, (q0, q1)))
         )
-        p, _ = _probabilities(qh, kh, allowed, scale)
+        p = torch.exp(_scores(qh, kh, allowed, scale) - lse[:, q0:q1, None].float()).nan_to_num(0.0)
         kg, vg = kh.repeat_interleave(group, 0), vh.repeat_interleave(group, 0)
-        o = p @ vg
-        ds = p * (doh @ vg.transpose(-1, -2) - (doh * o).sum(-1, keepdim=True))
-        dq[q0:q1] = (scale * ds @ kg).transpose(0, 1)
-        dk[k0:k1] = _per_kv_head(scale * ds.transpose(-1, -2) @ qh, group)
-        dv[k0:k1] = _per_kv_head(p.transpose(-1, -2) @ doh, group)
+        ds = p * (doh @ vg.transpose(-1, -2) - (doh * oh).sum(-1, keepdim=True))
+        q_end, k_end = min(q1, q0 + max_seqlen_q), min(k1, k0 + max_seqlen_k)
+        dq[q0:q_end] = (scale * ds @ kg).transpose(0, 1)[: q_end - q0]
+        dk[k0:k_end] = _per_kv_head(scale * ds.transpose(-1, -2) @ qh, group)[: k_end - k0]
+        dv[k0:k_end] = _per_kv_head(p.transpose(-1, -2) @ doh, group)[: k_end - k0]
     return dq, dk, dv
 
 
@@ -120,9 +136,8 @@ def _flash_attn_varlen_forward(
     _refuse("sink_size", sink_size)
     _refuse("logits_soft_cap", logits_soft_cap)
     _refuse("padded cu_seqlens", cu_seqlens_q_padded is not None or cu_seqlens_k_padded is not None)
-    o, lse = _forward_thd(
-        q, k, v, _segments(cu_seqlens_q, cu_seqlens_k), softmax_scale, causal, window_size_left, window_size_right
-    )
+    segments = _segments(cu_seqlens_q, cu_seqlens_k)
+    o, lse = _forward_thd(q, k, v, segments, softmax_scale, causal, window_size_left, window_size_right, max_seqlen_q)
     o = o.to(q.dtype)
     if out is not None:
         out.copy_(o)
@@ -136,9 +151,11 @@ def _flash_attn_varlen_backward(
 ):  # fmt: skip
     _refuse("dropout", dropout_p)
     _refuse("alibi_slopes", alibi_slopes is not None)
+    segments = _segments(cu_seqlens_q, cu_seqlens_k)
     grads = _backward_thd(
-        dout, q, k, v, _segments(cu_seqlens_q, cu_seqlens_k), softmax_scale, causal, window_size_left, window_size_right
-    )
+        dout, q, k, v, out, softmax_lse, segments, softmax_scale, causal, window_size_left, window_size_right,
+        max_seqlen_q, max_seqlen_k,
+    )  # fmt: skip
     for buffer, grad in zip((dq, dk, dv), grads):
         buffer.copy_(grad)
     return dq, dk, dv, None

@@ -30,12 +30,14 @@ def test_primus_turbos_fp8_backward_is_wrong_for_gqa_with_unequal_head_dims_and_
     kernel, called directly, gets the forward and dq of the emulation, but dk and dv wrong
     (non-finite at parity's gqa_dv_differs shape, S 192, Hq 4, Hkv 2, D 64 / Dv 32; -1.8 and 0.0 dB
     against fp32 at S 128; -2.9 and 0.1 dB at D 32 / Dv 64). GQA alone, or the head dims differing
-    alone, are right. So the route refuses the combination (parity shows the refusal); this test
+    alone, are right. So the route refuses the combination (parity shows the refusal), and both
+    FP8 attention wrappers refuse it on every call (test_attention_fp8_emulated.py); this test
     fails once a Primus-Turbo build computes it right, and the rule can then name the builds."""
     from titan_primus import sqnr
 
     from titan_primus.attention import fp8_attention_refusal
-    from titan_primus.backends.primus_turbo.attention_fp8 import fp8_attention
+    from titan_primus.backends import emulated_attention
+    from titan_primus.backends.primus_turbo import attention_fp8
     from titan_primus.numerics import run_attention
 
     (case,) = [c for c in parity.DEFAULT_ATTENTION_CASES if c.name == "gqa_dv_differs"]
@@ -46,8 +48,12 @@ def test_primus_turbos_fp8_backward_is_wrong_for_gqa_with_unequal_head_dims_and_
     assert row.status == "skipped" and "grouped-query attention" in row.reason, (row.status, row.reason)
     inputs = case.inputs(torch.device("cpu"))
     reference = case.run(inputs, None, device_profile(ARCH))
-    emulated = case.run(inputs, "emulated", device_profile(ARCH))
-    turbo = run_attention(lambda q, k, v: fp8_attention(q, k, v, causal=True, softmax_scale=None), *inputs)
+    # Both ops called below their wrappers, which refuse the combination on every call.
+    scale, fp8_dtype = inputs[0].shape[-1] ** -0.5, device_profile(ARCH).e4m3
+    emulated = run_attention(
+        lambda q, k, v: emulated_attention._forward_op(q, k, v, True, scale, fp8_dtype)[0], *inputs
+    )
+    turbo = run_attention(lambda q, k, v: attention_fp8._forward_op(q, k, v, True, scale)[0], *inputs)
     assert sqnr(emulated[0], turbo[0]) > 40 and sqnr(emulated[1], turbo[1]) > 40
     assert all(sqnr(reference[i], emulated[i]) > 20 for i in range(4))
     assert not all(sqnr(reference[i], turbo[i]) > 5 for i in (2, 3))

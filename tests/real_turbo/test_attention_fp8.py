@@ -77,3 +77,32 @@ def test_opaque_op_compiles_fullgraph_equal_to_eager():
     compiled = _grads(torch.compile(fn, fullgraph=True, backend="aot_eager"), q, k, v, dout)
     for name, a, b in zip(("out", "dq", "dk", "dv"), eager, compiled):
         assert_bitwise(a, b, name)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_opaque_op_is_a_well_formed_custom_op(causal):
+    """torch.library.opcheck's fake and autograd-registration checks (the others cannot sum FP8
+    outputs on a CPU: tests/test_custom_ops.py), and no output aliasing an input. Primus-Turbo's
+    kernel hands back an output that requires grad (attention_triton_impl.py), which the fake did
+    not: the op detaches it."""
+    from test_custom_ops import WITHOUT_FP8_ARITHMETIC, _no_output_aliases_an_input
+
+    from titan_primus.backends.primus_turbo.attention_fp8 import FORWARD_OP
+
+    q, k, v, _ = _inputs(*SHAPES[0])
+    args = tuple(t.requires_grad_() for t in (q, k, v)) + (causal, 0.125)
+    _no_output_aliases_an_input(FORWARD_OP, args)
+    torch.library.opcheck(FORWARD_OP, args, test_utils=WITHOUT_FP8_ARITHMETIC)
+
+
+def test_every_primus_turbo_op_is_checked_on_its_own_code():
+    """Primus-Turbo's ops of titan-primus: the attention forward above, the weight's backward
+    operands (test_compile_and_memory.py); the mxfp8 ones need FlyDSL and HIP kernels (no CPU)."""
+    from test_custom_ops import _defined
+
+    checked = {"titan_primus::primus_turbo_fp8_attention_forward", "titan_primus::primus_turbo_weight_for_backward"}
+    mxfp8 = {
+        f"titan_primus::primus_turbo_mx_{name}"
+        for name in ("linear", "linear_backward", "grouped_mm", "grouped_mm_backward")
+    }
+    assert {name for name in _defined() if "primus_turbo" in name} == checked | mxfp8

@@ -50,6 +50,11 @@ def _count(fn, ops, compiled):
     return result, calls[0]
 
 
+# A model's steps counted three times: about 60 s a model under the interpreter (2026-12-04), so
+# each model at one of the two builds AMD's images carry.
+SELECTIVE_AC_BUILDS = {"llama3": "v0.3.2.dev48", "deepseek_v3": "v0.4.1.dev26"}
+
+
 @one_arch
 @pytest.mark.parametrize(
     "model, compiled", [("llama3", True), ("deepseek_v3", False)], ids=["llama3-compiled", "deepseek_v3-eager"]
@@ -57,6 +62,8 @@ def _count(fn, ops, compiled):
 def test_selective_ac_runs_three_fp8_gemms_per_op(model, compiled):
     """Without activation checkpointing and with Fp8SelectiveAC saving every FP8 GEMM: 3 FP8 GEMMs
     per op per step."""
+    if BUILD != SELECTIVE_AC_BUILDS[model]:
+        pytest.skip(f"costly: {model} runs at {SELECTIVE_AC_BUILDS[model]}")
     ops = tp.registry.get_backend("primus_turbo").fp8_gemm_ops()
     assert ops
     converter = Float8Converter.Config(device=ARCH, backend="primus_turbo", recipe="rowwise").build()

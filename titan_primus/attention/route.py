@@ -5,8 +5,10 @@
   attention (``flash_attn_fp8_func``, blockwise 64) with ``fp8_attention``, where its definition
   holds.
 - The emulation (CPUs, or ``backend="emulated"``): FP8 attention only, the exact definition of
-  Primus-Turbo's, so a run with ``fp8_attention`` has the same numerics on a laptop as on an
-  MI300. bf16 attention stays TorchTitan's own there.
+  Primus-Turbo's in the FP8 format of the device the run names: a CPU's own profile uses OCP
+  e4m3fn (MI355X's, gfx950), ``device="gfx942"`` FNUZ e4m3fnuz (MI300X's), about 24 dB apart, so
+  MI300X numerics on a laptop need ``device="gfx942"``, as for the GEMMs. bf16 attention stays
+  TorchTitan's own there.
 - Everywhere else (NVIDIA, other ROCm): TorchTitan's own attention, unchanged; there is no FP8
   attention kernel to route to (TorchAO has none).
 """
@@ -27,7 +29,8 @@ __all__ = ["AttentionRoute", "AttentionSite", "backend_route", "fp8_attention_re
 class AttentionSite:
     """What one layer's attention computes, as an adapter reads it off TorchTitan's model."""
 
-    causal: bool = True
+    causal: bool | None = True
+    """None: each call says (SDPA's ``is_causal``; Flux passes False)."""
     documents: bool = False
     """Document masking: packed documents attend only within themselves (cu_seqlens)."""
     window: tuple[int, int] = (-1, -1)
@@ -42,11 +45,12 @@ class AttentionSite:
     (a BlockMask with a score_mod, an LSE epilogue, context parallelism, ...), if any."""
 
     def describe(self) -> str:
-        mask = (
-            ("document-causal" if self.causal else "document")
-            if self.documents
-            else ("causal" if self.causal else "full")
-        )
+        if self.causal is None:
+            mask = "causal or full, as each call's is_causal says"
+        elif self.documents:
+            mask = "document-causal" if self.causal else "document"
+        else:
+            mask = "causal" if self.causal else "full"
         if self.window != (-1, -1):
             mask += f", window {self.window}"
         return mask

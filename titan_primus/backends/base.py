@@ -116,7 +116,15 @@ class Fp8Backend(ABC):
     @abstractmethod
     def grouped_mm(self, A: torch.Tensor, B_t: torch.Tensor, offs: torch.Tensor, recipe: Fp8Recipe) -> torch.Tensor:
         """TorchTitan's ``GroupedExperts._grouped_mm`` contract, with autograd: A [R, K],
-        B_t [E, K, N], offs int32 cumulative end offsets [E]; rows past offs[-1] are zero."""
+        B_t [E, K, N], offs int32 cumulative end offsets [E], groups of any size (empty ones
+        included); rows past offs[-1] are zero."""
+
+    def group_alignment(self, recipe: Fp8Recipe) -> int | None:
+        """The multiple of rows this backend's grouped-GEMM kernels need every token group
+        padded to, or None. ``grouped_mm`` pads groups itself unless
+        ``recipe.token_groups_padded_to`` says the dispatcher did; the converters install
+        TorchTitan's padding dispatcher for such backends."""
+        return None
 
     @abstractmethod
     def accepts(self, recipe: Fp8Recipe) -> Verdict:

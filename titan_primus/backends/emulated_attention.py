@@ -280,7 +280,8 @@ FORWARD_OP = torch.ops.titan_primus.emulated_fp8_attention_forward.default
 
 def check_fp8_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """What Primus-Turbo's FP8 attention takes: logical (B, L, H, D) bf16, L a multiple of 64
-    (``block_scaling_node`` reshapes L into 64-token blocks), Sq == Sk, Hq a multiple of Hkv."""
+    (``block_scaling_node`` reshapes L into 64-token blocks), Sq == Sk, Hq a multiple of Hkv, and
+    the head dims ``fp8_attention_refusal`` allows."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"FP8 attention takes 4-D (B, L, H, D) q, k, v; got {q.dim()}-D, {k.dim()}-D, {v.dim()}-D")
     if any(t.dtype != torch.bfloat16 for t in (q, k, v)):
@@ -297,6 +298,14 @@ def check_fp8_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         )
     if q.shape[2] % k.shape[2]:
         raise ValueError(f"FP8 attention needs query heads a multiple of kv heads; got {q.shape[2]} and {k.shape[2]}")
+    # The head-dim rules routing applies where an adapter reads them off the config, checked here
+    # for every call (shapes only), so no layer reaches Primus-Turbo's asserts or its GQA bug.
+    from ..attention.route import AttentionSite, fp8_attention_refusal
+
+    site = AttentionSite(head_dims=(q.shape[3], v.shape[3]), grouped=q.shape[2] != k.shape[2])
+    refused = fp8_attention_refusal(site)
+    if refused:
+        raise ValueError(f"FP8 attention refused: {refused}; turn fp8_attention off for this model")
 
 
 def fp8_attention(

@@ -18,7 +18,7 @@ from functools import cached_property
 import torch
 
 from ..device import DeviceProfile
-from ..grouping import mask_trailing_rows_of_grad, zero_trailing_rows
+from ..grouping import mask_trailing_rows_of_grad, padded_groups, zero_trailing_rows
 from ..recipes import RECIPE_NAMES, Fp8Recipe, make_recipe
 from .base import Fp8Backend, Op, Verdict
 
@@ -102,7 +102,7 @@ class TorchAOBackend(Fp8Backend):
             importlib.import_module("torchao.float8.float8_linear")
         except ImportError as e:
             return f"TorchAO is not importable ({e}); pip install 'torchao>=0.15'"
-        return None
+        return _missing_linear_symbols()
 
     @cached_property
     def _grouped_mm_import_error(self) -> str | None:
@@ -234,8 +234,7 @@ class TorchAOBackend(Fp8Backend):
         return Verdict.yes("TorchAO takes it as its own Float8TrainingTensor and skips the weight cast")
 
     def gathered_weight(self, data, scale, dtype, recipe, source_dtype=None):
-        from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
-
+        Float8TrainingTensor, GemmInputRole = (_linear_symbol(n) for n in ("Float8TrainingTensor", "GemmInputRole"))
         *_, mm_config = self._configs(recipe)
         return Float8TrainingTensor(data, scale, dtype, mm_config, GemmInputRole.WEIGHT)
 
@@ -287,7 +286,26 @@ class TorchAOBackend(Fp8Backend):
     def _grouped_mm_fn(self):
         return _first_attr(_GROUPED_MM_NAMES)
 
+    def group_alignment(self, recipe: Fp8Recipe) -> int:
+        # torch._scaled_grouped_mm needs 16-byte strides and group starts along the contraction
+        # (the weight gradient's, over tokens), and TorchAO 0.18 states "Group sizes must be
+        # divisible by 16" (torchao/prototype/moe_training/fp8_grouped_mm.py) with its own padding
+        # unimplemented; its MXFP8 grouped GEMM wants groups of whole 32-row blocks.
+        return 32 if recipe.name == "mxfp8" else 16
+
     def grouped_mm(self, A, B_t, offs, recipe):
+        alignment = self.group_alignment(recipe)
+        if recipe.token_groups_padded_to and recipe.token_groups_padded_to % alignment == 0:
+            return self._aligned_grouped_mm(A, B_t, offs, recipe)
+        # Each group padded with zero rows: they add nothing to any scale (every amax is over a
+        # row, a column of one group's rows, or B_t) nor to any sum, and their outputs are
+        # dropped, so the result is bitwise that of the groups as given. No host sync.
+        destination, padded_offs, padded_rows = padded_groups(offs, A.shape[0], alignment)
+        padded_A = A.new_zeros((padded_rows, A.shape[1])).index_copy(0, destination, A)
+        out = self._aligned_grouped_mm(padded_A, B_t, padded_offs, recipe)
+        return zero_trailing_rows(out.index_select(0, destination), offs)
+
+    def _aligned_grouped_mm(self, A, B_t, offs, recipe):
         if recipe.name == "mxfp8":  # SM100 only (supports); groups come padded to 32
             from torchao.prototype.moe_training import _to_mxfp8_then_scaled_grouped_mm
 
@@ -317,11 +335,51 @@ class TorchAOBackend(Fp8Backend):
             offs,
             out_dtype=torch.bfloat16,
             float8_dtype=recipe.e4m3,
-            # Its default (True) asserts "not yet supported"; groups come aligned from the
-            # padding token dispatcher the converter installs.
+            # Its default (True) asserts "not yet supported"; groups come aligned (grouped_mm).
             pad_token_groups_for_grouped_mm=False,
         )
         return zero_trailing_rows(out, offs)
+
+
+# What the tensorwise and rowwise linears take from TorchAO, by name: the one place they get it
+# (_linear_symbol), checked whole when the backend is first asked whether it can run, so a TorchAO
+# that renamed one is refused with the name, never met inside a training step.
+_LINEAR_SYMBOLS = {
+    "Float8LinearConfig": "torchao.float8.config",
+    "ScalingType": "torchao.float8.config",
+    "tensor_already_casted_to_fp8": "torchao.float8.distributed_utils",
+    "matmul_with_hp_or_float8_args": "torchao.float8.float8_linear",
+    "float8_mm": "torchao.float8.float8_ops",
+    "get_maybe_axiswise_dim": "torchao.float8.float8_scaling_utils",
+    "hp_tensor_to_float8_dynamic": "torchao.float8.float8_scaling_utils",
+    "Float8TrainingTensor": "torchao.float8.float8_training_tensor",
+    "GemmInputRole": "torchao.float8.float8_training_tensor",
+    "LinearMMConfig": "torchao.float8.float8_training_tensor",
+    "ScaledMMConfig": "torchao.float8.float8_training_tensor",
+}
+_VERIFIED_TORCHAO = "0.15 to 0.18"
+
+
+def _linear_symbol(name: str):
+    return getattr(importlib.import_module(_LINEAR_SYMBOLS[name]), name)
+
+
+def _missing_linear_symbols() -> str | None:
+    """Which of ``_LINEAR_SYMBOLS`` the installed TorchAO lacks, as the reason it cannot run; None
+    when it has them all."""
+    missing = []
+    for name, module in _LINEAR_SYMBOLS.items():
+        try:
+            _linear_symbol(name)
+        except (ImportError, AttributeError):
+            missing.append(f"{module}.{name}")
+    if not missing:
+        return None
+    return (
+        f"TorchAO {importlib.import_module('torchao').__version__} lacks {', '.join(missing)}, which "
+        f"titan-primus's TorchAO linears use (titan_primus/backends/torchao.py; verified on TorchAO "
+        f"{_VERIFIED_TORCHAO}): install a TorchAO from {_VERIFIED_TORCHAO}, or a titan-primus that supports this one"
+    )
 
 
 def _linear_function():
@@ -340,12 +398,13 @@ def _linear_function():
     (line 45). Here a frozen weight (LoRA, frozen layers) costs no wgrad GEMM and no cast of the
     input or of grad_output for it, and forward keeps no input; an input that needs no gradient
     costs no dgrad GEMM and no weight cast, and forward keeps no weight."""
-    from torchao.float8.config import ScalingType
-    from torchao.float8.distributed_utils import tensor_already_casted_to_fp8
-    from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
-    from torchao.float8.float8_ops import float8_mm
-    from torchao.float8.float8_scaling_utils import get_maybe_axiswise_dim, hp_tensor_to_float8_dynamic
-    from torchao.float8.float8_training_tensor import GemmInputRole
+    ScalingType, tensor_already_casted_to_fp8, matmul_with_hp_or_float8_args, float8_mm = (
+        _linear_symbol(n)
+        for n in ("ScalingType", "tensor_already_casted_to_fp8", "matmul_with_hp_or_float8_args", "float8_mm")
+    )
+    get_maybe_axiswise_dim, hp_tensor_to_float8_dynamic, GemmInputRole = (
+        _linear_symbol(n) for n in ("get_maybe_axiswise_dim", "hp_tensor_to_float8_dynamic", "GemmInputRole")
+    )
 
     def cast(t, cast_config, config, mm_config, role, axiswise_dim):
         # Already FP8 (a weight FSDP2 all-gathered in FP8), or a GEMM run in high precision.
@@ -394,8 +453,9 @@ def _linear_function():
 
 def _linear_configs(recipe: Fp8Recipe):
     """TorchAO's Float8LinearConfig and LinearMMConfig for ``recipe``."""
-    from torchao.float8.config import Float8LinearConfig
-    from torchao.float8.float8_training_tensor import LinearMMConfig, ScaledMMConfig
+    Float8LinearConfig, LinearMMConfig, ScaledMMConfig = (
+        _linear_symbol(n) for n in ("Float8LinearConfig", "LinearMMConfig", "ScaledMMConfig")
+    )
 
     # TorchAO picks e4m3fn vs e4m3fnuz once at import from the local GPU; the recipe carries the
     # device's formats, so retarget every cast (this is also how fnuz is exercised on a CPU).

@@ -290,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.json,
                 sys.stdout,
                 fsdp_ranks=args.fsdp_ranks,
+                err=sys.stderr,
             )
         if args.command == "validate":
             from .validate import command as validate

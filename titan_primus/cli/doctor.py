@@ -112,19 +112,21 @@ def environment(profile: DeviceProfile) -> dict:
     }
 
 
+def _failed_check(e: Exception) -> str:
+    # doctor reports and never fails: a check that raises (a broken or renamed upstream) is a row.
+    return f"doctor's check raised {describe_error(e)}"
+
+
 def _backends(profile: DeviceProfile) -> list[dict]:
     rows = []
     for backend in registry.backends().values():
-        verdict = backend.availability(profile)
-        rows.append(
-            {
-                "name": backend.name,
-                "provided_by": type(backend).__module__,
-                "rank": backend.rank(profile),
-                "available": verdict.ok,
-                "reason": verdict.reason,
-            }
-        )
+        row = {"name": backend.name, "provided_by": type(backend).__module__}
+        try:
+            verdict = backend.availability(profile)
+            row.update(rank=backend.rank(profile), available=verdict.ok, reason=verdict.reason)
+        except Exception as e:
+            row.update(rank=None, available=False, reason=_failed_check(e))
+        rows.append(row)
     return rows
 
 
@@ -134,15 +136,18 @@ def _routing(profile: DeviceProfile) -> list[dict]:
         for recipe in RECIPE_NAMES:
             try:
                 decision = select_backend(op, recipe, profile)
-            except BackendUnavailableError as e:
+            except Exception as e:
+                unavailable = isinstance(e, BackendUnavailableError)
                 rows.append(
                     {
                         "op": op,
                         "recipe": recipe,
                         "backend": None,
                         "definition": None,
-                        "reason": str(e),
-                        "passed_over": [{"backend": name, "reason": why} for name, why in e.passed_over],
+                        "reason": str(e) if unavailable else _failed_check(e),
+                        "passed_over": [{"backend": n, "reason": why} for n, why in e.passed_over]
+                        if unavailable
+                        else [],
                         "expert_parallel": None,
                         "fp8_dispatch": None,
                     }
@@ -185,7 +190,11 @@ def _attention(profile: DeviceProfile) -> list[dict]:
     """Each kind of attention layer with ``attention`` and ``fp8_attention`` on: its route."""
     rows = []
     for kind, site in ATTENTION_KINDS.items():
-        route = route_attention(kind, site, device=profile, backend="auto", bf16=True, fp8=True)
+        try:
+            route = route_attention(kind, site, device=profile, backend="auto", bf16=True, fp8=True)
+        except Exception as e:
+            rows.append({"layer": kind, "backend": None, "fp8": False, "reason": _failed_check(e)})
+            continue
         rows.append({"layer": kind, "backend": route.backend, "fp8": route.fp8, "reason": route.reason})
     return rows
 
@@ -194,16 +203,21 @@ def diagnose(device: str | None = None) -> dict:
     """Everything doctor reports, as data; ``device`` names a profile (default: detected)."""
     profile = resolve_profile(device)
     turbo = registry.backends().get("primus_turbo")
-    available = turbo.availability(profile) if turbo else None
+    try:
+        available = turbo.availability(profile) if turbo else None
+        turbo_state = available.reason if turbo else "no primus_turbo backend is registered"
+        paths = turbo.execution_paths() if available else None
+    except Exception as e:
+        turbo_state, paths = _failed_check(e), None
     return {
         "schema_version": SCHEMA_VERSION,
         "kind": "doctor",
         "environment": environment(profile),
-        "primus_turbo": available.reason if turbo else "no primus_turbo backend is registered",
+        "primus_turbo": turbo_state,
         # The refusal the TorchTitan adapters raise on a line none of them supports yet, or None.
         "torchtitan_unsupported": unsupported_torchtitan(),
         # Which Primus-Turbo entry points each op runs through, eager and under torch.compile.
-        "primus_turbo_paths": turbo.execution_paths() if available else None,
+        "primus_turbo_paths": paths,
         "backends": _backends(profile),
         "routing": _routing(profile),
         "attention": _attention(profile),
@@ -245,6 +259,11 @@ def render(diagnosis: dict) -> str:
         f"FP8 formats: {device['e4m3']} / {device['e5m2']}; "
         f"GPUs visible to torch: {env['gpus_visible']}"
     )
+    if device["kind"] == "cpu":
+        lines.append(
+            f'  a CPU run emulates {device["e4m3"]} (OCP, MI355X\'s gfx950): device="gfx942" (--device gfx942) '
+            f"gives MI300X's float8_e4m3fnuz, for GEMMs and FP8 attention alike"
+        )
     lines += ["", 'backends (backend="auto" takes the highest rank that is available and supports the op):']
     lines.append(
         markdown_table(

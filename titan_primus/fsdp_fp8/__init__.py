@@ -8,10 +8,10 @@ have made of the gathered high-precision weight, because
 - the shard is first cast to FSDP's ``param_dtype``, as FSDP2 does before a plain all-gather, so
   the same values are quantized (quantizing the fp32 master directly would round twice
   differently);
-- tensorwise: the scale is the amax of the whole weight (one all-reduce of the shards' amaxes
-  for every FP8 weight at once: after each optimizer step, :func:`precompute_fp8_weight_amaxes`,
-  and on the first all-gather that finds amaxes stale, such as the first step's), rounded to
-  ``param_dtype`` like the values (rounding is monotone, so this is the amax of the
+- tensorwise: the scale is the amax of the whole weight, reduced from the shards' values at
+  each all-gather (one all-reduce per FSDP2 parameter group and all-gather, for all its
+  tensorwise weights), so no write to the weights, through any alias, can leave a stale scale;
+  rounded to ``param_dtype`` like the values (rounding is monotone, so this is the amax of the
   ``param_dtype`` weight);
 - rowwise: a forward scale is per output row (per expert and output row for MoE expert
   weights [E, N, K]), reduced over K, and FSDP2 shards rows or experts, never K, so each rank's
@@ -25,7 +25,7 @@ have made of the gathered high-precision weight, because
   keep such weights out of FP8 all-gather; the all-gather checks it again).
 
 State dicts hold the plain high-precision tensor (same names, shapes, dtypes). Torch-only: the
-TorchTitan adapters wrap weights and hook the per-step amax precompute.
+TorchTitan adapters wrap the weights.
 """
 
 from __future__ import annotations
@@ -34,8 +34,6 @@ from .gathered import Fp8GatheredWeight
 from .hooks import (
     disable_fp8_all_gather,
     enable_fp8_all_gather,
-    precompute_fp8_weight_amaxes,
-    register_amax_precompute_after_optimizer_steps,
 )
 from .plan import Fp8AllGatherPlan, fp8_all_gather_plan, quantize_weight
 from .sharded import Fp8AllGatherWeight
@@ -47,7 +45,5 @@ __all__ = [
     "fp8_all_gather_plan",
     "enable_fp8_all_gather",
     "disable_fp8_all_gather",
-    "precompute_fp8_weight_amaxes",
     "quantize_weight",
-    "register_amax_precompute_after_optimizer_steps",
 ]

@@ -1,11 +1,11 @@
-"""The sharded side: the parameter FSDP2 holds, its all-gather hooks, and the registry of
-tensorwise weights whose stale amaxes one all-reduce refreshes."""
+"""The sharded side: the parameter FSDP2 holds, its all-gather hooks, and the one all-reduce
+per FSDP2 parameter group and all-gather that gives tensorwise weights their amaxes."""
 
 from __future__ import annotations
 
 import functools
-import gc
 import logging
+import os
 import weakref
 
 import torch
@@ -41,12 +41,10 @@ class Fp8AllGatherWeight(torch.Tensor):
 
     Wraps the plain high-precision tensor ``_tensor``; every op runs on that tensor (results are
     plain tensors except the views and copies FSDP2 makes of the parameter), so optimizers,
-    initialisation and checkpoint loading see an ordinary tensor. ``_amax`` is the whole
-    weight's amax (tensorwise plans). Any in-place change (optimizer step, checkpoint load,
-    init) makes it stale: one made through this tensor clears it, one made directly to
-    ``_tensor`` moves its version counter away from ``_amax_version``. A copy that keeps the
-    values (FSDP2's ``.to(device)`` of an offloaded shard before each all-gather) keeps a fresh
-    amax, and where to reduce amaxes (``_group``, ``_reduce_device``).
+    initialisation and checkpoint loading see an ordinary tensor. Nothing derived from the values
+    is kept between all-gathers: a tensorwise weight's whole-weight amax is reduced anew at each
+    all-gather (:class:`_AmaxRound`), so no write, through whatever alias (the tensors of
+    ``model.state_dict()``, ``param.data``, the local shard), can leave a stale scale.
     """
 
     @staticmethod
@@ -63,28 +61,33 @@ class Fp8AllGatherWeight(torch.Tensor):
 
     def __init__(self, tensor: torch.Tensor, plan: Fp8AllGatherPlan):
         self._tensor, self._plan = tensor, plan
-        self._amax: torch.Tensor | None = None
-        self._amax_version = -1
-        self._group = None
-        self._reduce_device: torch.device | None = None
-        """Where the group reduces: the device FSDP2 all-gathers on (a CPU-offloaded shard
-        lives on the CPU)."""
+        self._origin: Fp8AllGatherWeight | None = None
+        """For the device copy FSDP2 makes of a CPU-offloaded shard before each all-gather: the
+        shard it copies (FSDP2's own parameter, which its all-gather round knows)."""
+        self._pending: tuple[_AmaxRound, torch.Tensor] | None = None
+        """This weight's amax, reduced by the first weight of its all-gather round."""
+        self._round_led: _AmaxRound | None = None
+        self._fsdp_group: list[weakref.ref] | None = None
+        self._check_every = 0
+        """``TITAN_PRIMUS_CHECK_FP8_SCALES`` when FP8 all-gather was enabled: every this many
+        all-gathers the amax is checked against the gathered values (0: never)."""
+        self._all_gathers = 0
+
+    def sharded(self) -> "Fp8AllGatherWeight":
+        """The shard FSDP2 holds: this weight, or the one this device copy was made of."""
+        return self if self._origin is None else self._origin
 
     def __repr__(self):
         return f"Fp8AllGatherWeight({self._tensor!r}, {self._plan.granularity})"
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args, kwargs=None):
-        plans = set()
+        plans, check_every = set(), set()
         source = args[0] if args else None
-        # A mutation (optimizer step, state-dict load, init) makes a precomputed amax stale.
-        # (It reaches the inner tensor below autograd, where its version counter does not move.)
-        mutation = func._schema.is_mutable
 
         def unwrap(t):
             plans.add(t._plan)
-            if mutation:
-                t._amax = None
+            check_every.add(t._check_every)
             return t._tensor
 
         args, kwargs = tree_map_only(Fp8AllGatherWeight, unwrap, (args, kwargs or {}))
@@ -93,25 +96,11 @@ class Fp8AllGatherWeight(torch.Tensor):
             return out
         (plan,) = plans
         out = tree_map_only(torch.Tensor, lambda t: Fp8AllGatherWeight(t, plan), out)
+        for weight in out if isinstance(out, (list, tuple)) else (out,):
+            weight._check_every = max(check_every)
         if func is torch.ops.aten._to_copy.default and isinstance(source, Fp8AllGatherWeight):
-            out._keep_amax_of(source)
+            out._origin = source.sharded()
         return out
-
-    def _keep_amax_of(self, source: "Fp8AllGatherWeight") -> None:
-        """A copy of ``source`` (another device, same dtype: the same values) keeps its fresh amax.
-        FSDP2 makes one of a CPU-offloaded shard before every all-gather; without it each
-        all-gather would find the amax stale and reduce it again, one weight at a time."""
-        if self.dtype != source.dtype:
-            return
-        self._group, self._reduce_device = source._group, source._reduce_device
-        if source.amax_is_fresh():
-            self._set_amax(source._amax)
-
-    def amax_is_fresh(self) -> bool:
-        return self._amax is not None and self._amax_version == self._tensor._version
-
-    def _set_amax(self, amax: torch.Tensor) -> None:
-        self._amax, self._amax_version = amax, self._tensor._version
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         plan = self._plan
@@ -122,7 +111,8 @@ class Fp8AllGatherWeight(torch.Tensor):
         high_precision = _why_high_precision(plan, outer_size, shard_dim, world) or _shared_with(module)
         if high_precision:
             _warn_high_precision(tuple(outer_size), high_precision)
-            return (_pad_rows(self._tensor.to(param_dtype), padded_rows),), (_HIGH_PRECISION, tuple(outer_size), None)
+            shard = _pad_rows(self._tensor.to(param_dtype), padded_rows)
+            return (shard,), (_HIGH_PRECISION, tuple(outer_size), None, shard.dtype)
         _announce()  # once: the log shows the FP8 all-gather ran
         # Quantized from the values the GEMM would receive: FSDP2 casts to param_dtype, the layer
         # may cast again (expert weights to bf16); rounding is monotone, so the amax follows.
@@ -130,22 +120,28 @@ class Fp8AllGatherWeight(torch.Tensor):
         shard = self._tensor.to(dtypes[0]).to(dtypes[1])
         amax = None
         if plan.granularity == "tensorwise":
-            self._group, self._reduce_device = mesh.get_group(), self._tensor.device
-            if not self.amax_is_fresh():  # first step, or weights changed since the precompute
-                _all_reduce_amaxes(_stale_tensorwise_weights(self), self._group, self._reduce_device)
-            amax = self._amax.to(dtypes[0]).to(dtypes[1])
+            amax = _whole_weight_amax(self, mesh.get_group(), self._tensor.device)
+            if _checked_now(self.sharded()):
+                _check_amax(self, amax, mesh.get_group(), padded_rows, module, tuple(outer_size))
+            amax = amax.to(dtypes[0]).to(dtypes[1])
         data, scale = quantize_weight(shard, plan, amax)
         data = _pad_rows(data, padded_rows)  # uneven sharding: zero rows, cut off after the gather
-        metadata = (scale if plan.granularity == "tensorwise" else None, tuple(outer_size), dtypes[1])
-        return ((data,) if plan.granularity == "tensorwise" else (data, scale)), metadata
+        tensorwise = plan.granularity == "tensorwise"
+        metadata = (scale if tensorwise else None, tuple(outer_size), dtypes[1], data.dtype)
+        # Gathered as bytes: FSDP2 gives a group whose inputs are all FP8 (a weight alone in its
+        # group) a float8 buffer, which gloo cannot all-gather ("Invalid scalar type").
+        payload = data.view(torch.uint8)
+        return ((payload,) if tensorwise else (payload, scale)), metadata
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
-        first, outer_size, source_dtype = metadata
+        first, outer_size, source_dtype, payload_dtype = metadata
+        if self._round_led is not None:  # this weight's all-gather round is over
+            self._round_led.open = False
         high_precision = first is _HIGH_PRECISION
         tensorwise_scale = None if high_precision else first
         # FSDP2 hands each output back as [world * dim-0 rows of a shard, ...]; the memory is the
         # padded weight in order (dim-0 shards stacked; other shards concatenated back by FSDP2).
-        data = all_gather_outputs[0].view(-1, *outer_size[1:])[: outer_size[0]]
+        data = all_gather_outputs[0].view(payload_dtype).view(-1, *outer_size[1:])[: outer_size[0]]
         if out is not None:  # the unsharded parameter exists; its payload was gathered in place
             if tensorwise_scale is not None:
                 (out._local_tensor if isinstance(out, DTensor) else out)._scale = tensorwise_scale
@@ -206,46 +202,128 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])]) if t.shape[0] < rows else t
 
 
-_TENSORWISE: list[tuple[weakref.ref, str]] = []
-"""(module, parameter name) of every weight given a tensorwise FP8 all-gather, in the order
-:func:`enable_fp8_all_gather` saw them: the same order on every rank."""
+class _AmaxRound:
+    """One all-gather round of an FSDP2 parameter group: FSDP2 calls the pre-all-gather hooks
+    of all the group's weights, in order, before it gathers them and calls any post-all-gather
+    hook. The first tensorwise weight of the round reduces the amaxes of all of them in one
+    all-reduce; the others take theirs while the round is open (until the first weight's
+    post-all-gather). A weight that finds none open starts a round of its own, so an amax is
+    never used past the round it was reduced for."""
+
+    def __init__(self):
+        self.open = True
 
 
-def _group_name(group) -> str:
-    return group.group_name
+def _whole_weight_amax(weight: Fp8AllGatherWeight, group, device: torch.device) -> torch.Tensor:
+    """The amax of the whole tensorwise weight whose shard ``weight`` is (or copies), from its
+    values now."""
+    sharded = weight.sharded()
+    pending, sharded._pending = sharded._pending, None
+    if pending is not None and pending[0].open:
+        return pending[1]
+    members = _all_gathered_with(sharded)
+    amaxes = _all_reduce_amaxes(members, group, device)
+    this_round = _AmaxRound()
+    for member, amax in zip(members, amaxes):
+        member._pending = (this_round, amax)
+    sharded._pending, sharded._round_led = None, this_round
+    return next(amax for member, amax in zip(members, amaxes) if member is sharded)  # not ==: tensors
 
 
-def _stale_tensorwise_weights(first: Fp8AllGatherWeight) -> list[Fp8AllGatherWeight]:
-    """``first`` and every other tensorwise FP8 weight FSDP2 holds sharded over ``first``'s group
-    whose amax is stale, in registration order: one all-reduce then serves them all, where one
-    per weight would run inside each pre-all-gather hook. Every rank of the group builds the
-    same list (the same modules, sharded the same way, with the same amaxes stale); models no
-    longer referenced are collected first, which garbage collection would otherwise do at
-    different moments on different ranks."""
-    gc.collect()
-    weights, group = [first], _group_name(first._group)
-    for module_ref, name in _TENSORWISE:
-        module = module_ref()
-        param = module._parameters.get(name) if module is not None else None
-        if not isinstance(param, DTensor):  # not sharded by FSDP2 (yet), or unsharded right now
-            continue
-        weight = param._local_tensor
-        if (
-            weight is first
-            or not isinstance(weight, Fp8AllGatherWeight)
-            or weight._plan.granularity != "tensorwise"
-            or weight.amax_is_fresh()
-        ):
-            continue
-        shard_dims = [d for d, p in enumerate(param.placements) if p.is_shard()]
-        if len(shard_dims) != 1 or _group_name(param.device_mesh.get_group(shard_dims[0])) != group:
-            continue
-        weight._group, weight._reduce_device = first._group, first._reduce_device
-        weights.append(weight)
-    return weights
+def _all_gathered_with(weight: Fp8AllGatherWeight) -> list[Fp8AllGatherWeight]:
+    """The tensorwise FP8 weights FSDP2 all-gathers in the same round as ``weight`` (its
+    parameter group, ``weight`` included), in FSDP2's order: the same list on every rank. Read
+    once per weight from FSDP2's parameter groups (:func:`_fsdp_param_groups`); where those are
+    not readable, ``[weight]`` (one all-reduce per weight: slower, as exact)."""
+    if weight._fsdp_group is not None:
+        members = [ref() for ref in weight._fsdp_group]
+        if all(m is not None for m in members):
+            return members
+    for sharded_weights in _fsdp_param_groups():
+        if any(w is weight for w in sharded_weights):
+            members = [
+                w for w in sharded_weights if isinstance(w, Fp8AllGatherWeight) and w._plan.granularity == "tensorwise"
+            ]
+            break
+    else:
+        _warn_amax_per_weight()
+        members = [weight]
+    refs = [weakref.ref(m) for m in members]
+    for member in members:
+        member._fsdp_group = refs
+    return members
 
 
-def _all_reduce_amaxes(weights: list[Fp8AllGatherWeight], group, device: torch.device) -> None:
+def _fsdp_param_groups():
+    """The sharded local tensors of each FSDP2 parameter group alive, in FSDP2's order
+    (torch private: the fully_shard states by module, their parameter groups, their
+    parameters); nothing where torch's internals are not as read here."""
+    try:
+        from torch.distributed._composable_state import _module_state_mapping
+    except ImportError:
+        return
+    for state_ref in list(_module_state_mapping.values()):
+        state = state_ref() if isinstance(state_ref, weakref.ref) else state_ref
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            group = getattr(state, "_fsdp_param_group", None)
+            groups = [group] if group is not None else []
+        for group in groups:
+            params = [getattr(p, "sharded_param", None) for p in getattr(group, "fsdp_params", ())]
+            yield [p._local_tensor for p in params if isinstance(p, DTensor)]
+
+
+CHECK_SCALES_VARIABLE = "TITAN_PRIMUS_CHECK_FP8_SCALES"
+
+
+def check_scales_every() -> int:
+    """The debug check's cadence from ``TITAN_PRIMUS_CHECK_FP8_SCALES``: every this many
+    all-gathers of a tensorwise weight (1: each), 0 (unset) for never."""
+    value = os.environ.get(CHECK_SCALES_VARIABLE, "0").strip() or "0"
+    if not value.isdigit():
+        raise ValueError(
+            f"{CHECK_SCALES_VARIABLE} must be a whole number of all-gathers >= 0 (1 checks every one, 0 none), got {value!r}"
+        )
+    return int(value)
+
+
+def _checked_now(weight: Fp8AllGatherWeight) -> bool:
+    if not weight._check_every:
+        return False
+    weight._all_gathers += 1
+    return weight._all_gathers % weight._check_every == 0
+
+
+def _check_amax(weight: Fp8AllGatherWeight, amax, group, padded_rows: int, module, shape: tuple) -> None:
+    """Raise unless ``amax`` is the amax of the whole weight as an independent path computes it:
+    every rank's shard all-gathered in the weight's own dtype (a debug check: a whole weight's
+    traffic)."""
+    shard = _pad_rows(weight._tensor.detach(), padded_rows)
+    whole = shard.new_empty((shard.shape[0] * dist.get_world_size(group), *shard.shape[1:]))
+    dist.all_gather_into_tensor(whole, shard.contiguous(), group=group)
+    fresh = whole.abs().amax().to(torch.float32).to(amax.device)
+    if not torch.equal(fresh, amax):
+        sharded = weight.sharded()
+        name = next(
+            (n for n, p in module.named_parameters(recurse=False) if getattr(p, "_local_tensor", p) is sharded), "?"
+        )
+        raise RuntimeError(
+            f"titan-primus: {CHECK_SCALES_VARIABLE}: the FP8 all-gather of {type(module).__name__}.{name} {list(shape)} "
+            f"was about to scale with amax {amax.item()!r}, but the weight's amax is {fresh.item()!r}; its FP8 "
+            f"weight would be wrong. Please report it with the write that preceded this step."
+        )
+
+
+@functools.cache
+def _warn_amax_per_weight() -> None:
+    logger.warning(
+        "titan-primus: FSDP2's parameter groups are not readable on torch %s: each tensorwise FP8 weight "
+        "reduces its amax in an all-reduce of its own at each all-gather (exact, more collectives)",
+        torch.__version__,
+    )
+
+
+def _all_reduce_amaxes(weights: list[Fp8AllGatherWeight], group, device: torch.device) -> list[torch.Tensor]:
     """Whole-weight amaxes of ``weights`` (shards across ``group``): one all-reduce for all, on
     ``device`` (each shard's amax is taken where the shard lives: a CPU-offloaded one on the CPU)."""
     # A rank's shard can be empty (more ranks than rows); 0 is neutral for the max.
@@ -260,8 +338,7 @@ def _all_reduce_amaxes(weights: list[Fp8AllGatherWeight], group, device: torch.d
         ]
     )
     dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
-    for weight, amax in zip(weights, local.unbind()):
-        weight._set_amax(amax)
+    return list(local.unbind())
 
 
 @functools.cache

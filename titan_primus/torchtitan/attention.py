@@ -125,6 +125,24 @@ def _own_masks(model_config) -> str | None:
     )
 
 
+def _not_the_decoders(model_config, cls) -> dict[int, str]:
+    """{id: reason} of the ``cls`` configs (flex or varlen) that are not the inner attention of
+    the model's decoder layers: only those receive the masks ``get_attention_masks`` builds
+    (a vision encoder's, kimi_k2_7's, gets a bidirectional padding BlockMask of its own)."""
+    layers = getattr(model_config, "layers", None) if isinstance(model_config, Decoder.Config) else None
+    decoders = {id(c) for layer in layers or () for _, c, _, _ in layer.traverse(cls)}
+    owner = getattr(type(model_config), "_owner", type(model_config))
+    return {
+        id(config): (
+            f"{fqn} is not in {owner.__name__}'s decoder layers, so its masks are not the decoder's "
+            f"(causal, documents, window) that the route maps: kept as the model builds it (e.g. a vision "
+            f"encoder's bidirectional padding mask)"
+        )
+        for fqn, config, _, _ in model_config.traverse(cls)
+        if id(config) not in decoders
+    }
+
+
 def _with_route(config, new_cls, route: AttentionRoute, **fields_):
     kept = {f: getattr(config, f) for f in ("window_size",) if hasattr(config, f)}
     return new_cls(attention_route=route, **{**kept, **fields_})
@@ -140,18 +158,19 @@ def convert_attention(model_config, router, replace) -> object:
         (PrimusTurboVarlenAttention.Config, FlexAttention.Config, True),
     )
     for new_cls, cls, documents in kinds:
+        foreign = _not_the_decoders(model_config, cls) if documents else {}
         for fqn, config, parent, attr in list(model_config.traverse(cls)):
             if isinstance(config, (PrimusTurboVarlenAttention.Config, PrimusTurboSDPA.Config)):
                 continue
             window = getattr(config, "window_size", (-1, 0) if documents else (-1, -1))
-            causal, flash = flash_window(window) if documents else (True, (-1, -1))
+            causal, flash = flash_window(window) if documents else (None, (-1, -1))
             site = AttentionSite(
                 causal=causal,
                 documents=documents,
                 window=flash,
                 head_dims=_head_dims(parent) if not isinstance(parent, list) else None,
                 grouped=not isinstance(parent, list) and _grouped(parent),
-                unmappable=own_masks if documents else None,
+                unmappable=(foreign.get(id(config)) or own_masks) if documents else None,
             )
             route = router.attention(fqn, site)
             if route is None or route.backend is None:

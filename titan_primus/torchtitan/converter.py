@@ -14,8 +14,8 @@ from torchtitan.components.quantization.utils import swap_token_dispatcher
 from torchtitan.models.common.linear import Linear
 from torchtitan.models.common.moe import GroupedExperts
 
-from ..recipes import with_fp8_dispatch
-from ..conversion import ConversionOptions, LayerRouter, group_alignment, keep_fp8_cast_rounding_under_inductor
+from ..recipes import with_fp8_dispatch, with_token_groups_padded_to
+from ..conversion import ConversionOptions, LayerRouter, keep_fp8_cast_rounding_under_inductor
 from ..sentinel import COMPILE_UNSUPPORTED, SentinelLayer, drive_trainer
 from .attention import convert_attention
 from .modules import Fp8Linear, fp8_experts_class, is_fp8_config
@@ -180,10 +180,11 @@ class Float8Converter(QuantizationConverter):
             decision = self.router.experts(fqn, experts.dim, experts.hidden_dim)
             if decision is None:
                 continue
-            alignment = group_alignment(decision.backend_name, decision.recipe.name)
+            recipe = decision.recipe
+            alignment = decision.backend.group_alignment(recipe)
             if alignment:
                 swap_token_dispatcher(parent, alignment)  # ``parent`` is RoutedExperts.Config
-            recipe = decision.recipe
+                recipe = with_token_groups_padded_to(recipe, alignment)
             if self.config.fp8_dispatch:
                 recipe = self._fp8_token_dispatch(fqn, parent, recipe)
             cls = fp8_experts_class(type(experts)._owner)

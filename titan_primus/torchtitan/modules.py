@@ -27,7 +27,6 @@ from ..fsdp_fp8 import (
     disable_fp8_all_gather,
     enable_fp8_all_gather,
     fp8_all_gather_plan,
-    register_amax_precompute_after_optimizer_steps,
 )
 from ..ops import run_grouped_mm, run_linear
 from ..recipes import Fp8Recipe
@@ -102,8 +101,6 @@ class _Fp8Module:
             raise ValueError(f"titan-primus: no FP8 all-gather for {self.extra_repr()}: {verdict.reason}")
         for name in self.fp8_weight_names:
             enable_fp8_all_gather(self, name, plan)
-        # TorchTitan 0.3's converters have no post-optimizer seam (0.2.x's had one).
-        register_amax_precompute_after_optimizer_steps()
 
 
 def tensor_parallel_shards(sharding_config, parallel_dims) -> TensorParallelShards | None:

@@ -18,11 +18,10 @@ from ..conversion import (
     ConversionOptions,
     LayerRouter,
     check_parallelism,
-    group_alignment,
     keep_fp8_cast_rounding_under_inductor,
 )
-from ..fsdp_fp8 import fp8_all_gather_plan, precompute_fp8_weight_amaxes
-from ..recipes import with_fp8_dispatch
+from ..fsdp_fp8 import fp8_all_gather_plan
+from ..recipes import with_fp8_dispatch, with_token_groups_padded_to
 from ..sentinel import COMPILE_UNSUPPORTED, SentinelLayer, drive_trainer, watch
 from .attention import attention_swaps
 from .modules import Fp8GroupedExperts, Fp8Linear
@@ -138,12 +137,14 @@ class Float8Converter:
         if not decision:
             return
         check_parallelism(Fp8GroupedExperts.__name__, self.parallel_dims, decision, experts=True)
-        alignment = group_alignment(decision.backend_name, decision.recipe.name)
-        if alignment:
-            # TorchTitan 0.2 pads token groups to one global multiple (its EP dispatch reads it too).
-            set_token_group_alignment_size_m(alignment)
-        plan = self._all_gather_plan("grouped_mm", decision)
         recipe = decision.recipe
+        alignment = decision.backend.group_alignment(recipe)
+        if alignment:
+            # TorchTitan 0.2 pads token groups to one global multiple (its EP dispatch reads it
+            # too; without EP the module pads them).
+            set_token_group_alignment_size_m(alignment)
+            recipe = with_token_groups_padded_to(recipe, alignment)
+        plan = self._all_gather_plan("grouped_mm", decision)
         if self.router.token_dispatch(fqn, recipe, unsupported=self._fp8_dispatch_transport(recipe)):
             recipe = with_fp8_dispatch(recipe)
         fp8 = Fp8GroupedExperts.from_experts(experts, decision, alignment, plan, recipe=recipe)
@@ -193,11 +194,8 @@ class Float8Converter:
         return fp8_all_gather_plan(decision.backend, decision.recipe, op)[0]
 
     def post_optimizer_hook(self, model) -> None:
-        """Refresh the whole-weight amaxes of the weights FSDP2 gathers as tensorwise FP8: one
-        all-reduce for all of them (nothing else outlives a step: other scales are computed
-        per GEMM call)."""
-        parts = model if isinstance(model, list) else [model]
-        precompute_fp8_weight_amaxes(p for part in parts for p in part.parameters())
+        """Nothing (TorchTitan 0.2.x's ModelConverter protocol asks for it): no scale outlives
+        a step; a tensorwise FP8 all-gather reduces its amaxes at each all-gather."""
 
 
 @functools.cache

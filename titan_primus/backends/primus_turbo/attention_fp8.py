@@ -78,7 +78,9 @@ def _forward_op(
         False,  # return_softmax
         True,  # use_fp8
     )
-    return out, q8, k8, v8, q_descale, k_descale, v_descale, lse
+    # Primus-Turbo allocates its output with requires_grad=True (attention_triton_impl.py, every
+    # build here); an op's autograd is this op's registration, and its fake says so.
+    return out.detach(), q8, k8, v8, q_descale, k_descale, v_descale, lse
 
 
 @_forward_op.register_fake

@@ -31,6 +31,7 @@ compilation.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, replace
@@ -43,11 +44,13 @@ from ...attention import AttentionSite, attend, backend_route
 from ...device import DeviceProfile, detect_device
 from ...numerics import sdpa
 from ..doctor import ATTENTION_RECIPE, attention_why_not, describe_error, environment, why_not
+from ..progress import progress
 from .model_shapes import ARCHITECTURES, AttentionHeads
 from .ep_traffic import ep_traffic_rows, render_ep_traffic
 from .fsdp_traffic import render_traffic, traffic_rows
 from .sentinel_cost import render_sentinel_cost, sentinel_cost
 from ..report import document, markdown_table, prepare_output, skip_lines, write_document
+from ...recipes import with_token_groups_padded_to
 from ...routing import RoutingDecision, select_backend
 
 __all__ = [
@@ -267,6 +270,8 @@ def _fp8(shape: BenchShape, decision: RoutingDecision):
     impl, recipe = decision.backend, decision.recipe
     if shape.op == "linear":
         return lambda a, w, offs: impl.linear(a, w, None, recipe)
+    # The bench's groups are balanced and aligned, as the converters' padding dispatcher delivers them.
+    recipe = with_token_groups_padded_to(recipe, impl.group_alignment(recipe))
     return lambda a, w, offs: impl.grouped_mm(a, w.transpose(-2, -1), offs, recipe)
 
 
@@ -319,11 +324,15 @@ def _device_and_peak(profile: DeviceProfile):
 
 
 def run_bench(
-    shapes, recipes: list[str], timing: tuple[int, int], profile: DeviceProfile, compile: bool = False
+    shapes, recipes: list[str], timing: tuple[int, int], profile: DeviceProfile, compile: bool = False, progress=None
 ) -> list[dict]:
+    """One bf16 row and one row per backend and recipe for each shape; ``progress``
+    (:func:`~titan_primus.cli.progress.progress`) is told each shape as it starts."""
     device, peak = _device_and_peak(profile)
     rows = []
     for shape in shapes:
+        if progress is not None:
+            progress.starting(f"{shape.op} {shape.name}: bf16, {', '.join(registry.backends())} x {', '.join(recipes)}")
         baseline = _row(shape, "bf16", None)
         _measure(baseline, shape, _bf16(shape), timing, device, compile)
         if peak and baseline["tflops"]:
@@ -340,14 +349,20 @@ def run_bench(
                 row["definition"] = decision.recipe.definition
                 _measure(row, shape, _fp8(shape, decision), timing, device, compile)
                 _against(row, baseline, peak and peak.fp8)
+        if progress is not None:
+            progress.finished()
     return rows
 
 
-def run_attention_bench(shapes, timing: tuple[int, int], profile: DeviceProfile, compile: bool = False) -> list[dict]:
+def run_attention_bench(
+    shapes, timing: tuple[int, int], profile: DeviceProfile, compile: bool = False, progress=None
+) -> list[dict]:
     """Per attention shape: bf16 SDPA, then each path of :data:`_ATTENTION_PATHS` that runs here."""
     device, peak = _device_and_peak(profile)
     rows = []
     for shape in shapes:
+        if progress is not None:
+            progress.starting(f"attention {shape.name}: bf16 SDPA, Primus-Turbo bf16 and FP8, the emulation")
         baseline = _row(shape, "bf16", None)
         _measure(
             baseline,
@@ -377,6 +392,8 @@ def run_attention_bench(shapes, timing: tuple[int, int], profile: DeviceProfile,
 
             _measure(row, shape, forward, timing, device, compile, _attention_step)
             _against(row, baseline, peak and (peak.fp8 if fp8 else peak.bf16))
+        if progress is not None:
+            progress.finished()
     return rows
 
 
@@ -445,6 +462,7 @@ def command(
     json_path: str | None,
     out,
     fsdp_ranks: int = 8,
+    err=None,
 ) -> int:
     """Measure, print, write ``json_path``; 1 when a backend raised. Also prints the modelled
     FSDP2 all-gather traffic on ``fsdp_ranks`` ranks with and without FP8 all-gather, and the
@@ -459,8 +477,9 @@ def command(
     note = "" if on_gpu else cpu_note(divisor)
     timing = (warmup or (1 if quick or not on_gpu else 5), iters or (1 if quick else 20 if on_gpu else 3))
     started = time.perf_counter()
-    rows = run_bench(shapes, recipes, timing, profile, compile)
-    rows += run_attention_bench(attention_shapes, timing, profile, compile)
+    with progress("bench", len(shapes) + len(attention_shapes), err or sys.stderr) as reporter:
+        rows = run_bench(shapes, recipes, timing, profile, compile, reporter)
+        rows += run_attention_bench(attention_shapes, timing, profile, compile, reporter)
     seconds = time.perf_counter() - started
     mode = "torch.compile" if compile else "eager"
     out.write(render(rows, profile, timing, mode, note, seconds))

@@ -166,8 +166,9 @@ def gemm_memory_columns(rows: list[dict]) -> dict[str, dict[bool, GemmMemory | N
 
 # --- the attention model, checked against the emulation's saved tensors ---------------------
 
-# Every dimension distinct (so a tensor's shape tells what it is); GQA, and v's head dim below q/k's.
-ATTENTION_AUDIT_HEADS = AttentionHeads(heads=4, kv_heads=2, head_dim=96, v_head_dim=32)
+# DeepSeek-V3's kind (MLA: v's head dim below q/k's, as many kv heads as q heads), which FP8
+# attention runs; GQA with unequal head dims is refused (fp8_attention_refusal), on every call too.
+ATTENTION_AUDIT_HEADS = AttentionHeads(heads=4, kv_heads=4, head_dim=96, v_head_dim=32)
 ATTENTION_AUDIT_SEQ = 192
 
 

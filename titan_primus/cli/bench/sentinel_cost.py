@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ... import sentinel
+from ...recipes import with_token_groups_padded_to
 from ...routing import BackendUnavailableError, select_backend
 from ...sentinel import SentinelOptions, WatchedBackend
 from ..report import markdown_table
@@ -25,6 +26,7 @@ _NEVER = 10**9
 def _forward(shape, impl, recipe):
     if shape.op == "linear":
         return lambda a, w, offs: impl.linear(a, w, None, recipe)
+    recipe = with_token_groups_padded_to(recipe, impl.group_alignment(recipe))  # as the converters give it
     return lambda a, w, offs: impl.grouped_mm(a, w.transpose(-2, -1), offs, recipe)
 
 

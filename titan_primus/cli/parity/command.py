@@ -38,11 +38,11 @@ from functools import partial
 from itertools import combinations
 
 import torch
-from tqdm import tqdm
 
 from ... import registry
 from ...attention import AttentionSite, attend, backend_route, route_attention
 from ...device import DeviceProfile, device_profile
+from ..progress import progress
 from ..doctor import ATTENTION_RECIPE, attention_why_not, describe_error, environment, resolve_profile, why_not
 from ...numerics import (
     ATTENTION_QUANTITIES,
@@ -556,15 +556,16 @@ def _run_attention_case(case: AttentionCase, profile: DeviceProfile) -> list[Row
 
 
 def run_matrix(profile: DeviceProfile, cases, recipes=RECIPE_NAMES, progress=None, attention_cases=()) -> list[Row]:
-    """Every (case, recipe) cell, then every FP8 attention case; ``progress`` (a tqdm bar) is
-    advanced once per cell and attention case."""
+    """Every (case, recipe) cell, then every FP8 attention case; ``progress``
+    (:func:`~titan_primus.cli.progress.progress`) is told each cell as it starts."""
     cells = [(case, recipe) for case in cases for recipe in recipes] + [(case, None) for case in attention_cases]
     rows = []
     for case, recipe in cells:
+        if progress is not None:
+            progress.starting(f"{case.op} {case.name} {recipe or ATTENTION_RECIPE}: {', '.join(registry.backends())}")
         rows += _run_cell(case, recipe, profile) if recipe else _run_attention_case(case, profile)
         if progress is not None:
-            progress.set_postfix_str(f"{case.op} {case.name} {recipe or ''}", refresh=False)
-            progress.update()
+            progress.finished()
     return rows
 
 
@@ -696,9 +697,8 @@ def command(device: str | None, quick: bool, required: list[str], json_path: str
     attention_cases = QUICK_ATTENTION_CASES if quick else DEFAULT_ATTENTION_CASES
     started = time.perf_counter()
     total = len(cases) * len(RECIPE_NAMES) + len(attention_cases)
-    # Drawn only on a terminal, so logs and JSON consumers see no bar.
-    with tqdm(total=total, file=err, disable=not err.isatty(), leave=False) as progress:
-        rows = run_matrix(profile, cases, RECIPE_NAMES, progress, attention_cases)
+    with progress("parity", total, err) as reporter:
+        rows = run_matrix(profile, cases, RECIPE_NAMES, reporter, attention_cases)
     seconds = time.perf_counter() - started
     missing = require_problems(rows, required, profile)
     counts = Counter(r.status for r in rows)
