@@ -104,7 +104,7 @@ def test_torchao_experts_get_the_padding_token_dispatcher():
     )
 
 
-def test_strict_refuses_a_fallback_and_default_logs_it(caplog):
+def test_strict_refuses_a_fallback_and_a_named_backend_never_falls_back(caplog):
     with pytest.raises(tp.BackendUnavailableError, match="strict=True: primus_turbo.*not importable"):
         convert(device="gfx942", strict=True)
     with pytest.raises(tp.BackendUnavailableError, match="MI300-class"):
@@ -113,11 +113,9 @@ def test_strict_refuses_a_fallback_and_default_logs_it(caplog):
         _, report = convert(device="gfx942")
     assert routes(report) == {"linear": "torchao"}
     assert "passed over primus_turbo: Primus-Turbo is not importable" in caplog.text
-    # An explicit backend that cannot run falls back (non-strict), with a warning.
-    with caplog.at_level(logging.WARNING, logger="titan_primus"):
-        _, report = convert(device="cpu", backend="primus_turbo")
-    assert routes(report) == {"linear": "emulated"}
-    assert "falling back to automatic routing" in caplog.text
+    # A named backend never falls back, strict or not: another backend is another FP8 definition.
+    with pytest.raises(tp.BackendUnavailableError, match='MI300-class.*named in the FP8 config.*backend="auto"'):
+        convert(device="cpu", backend="primus_turbo")
 
 
 def test_bad_converter_config_fails_at_build():

@@ -1,7 +1,6 @@
 """Routing on named device profiles: the 0.2 adapter picks what the 0.3 adapter picks, fixes it
 in the swapped modules at conversion, and pads token groups only for TorchAO."""
 
-import logging
 from importlib.metadata import version
 
 import pytest
@@ -67,15 +66,14 @@ def test_torchao_experts_pad_token_groups_to_16():
     assert moe_utils.TOKEN_GROUP_ALIGN_SIZE_M == 16
 
 
-def test_strict_refuses_a_fallback_and_default_logs_it(caplog):
+def test_strict_refuses_a_fallback_and_a_named_backend_never_falls_back():
     with pytest.raises(tp.BackendUnavailableError, match="strict=True: primus_turbo.*not importable"):
         convert(meta_model("llama3"), device="gfx942", strict=True)
     with pytest.raises(tp.BackendUnavailableError, match="MI300-class"):
         convert(meta_model("llama3"), device="cpu", backend="primus_turbo", strict=True)
-    with caplog.at_level(logging.WARNING, logger="titan_primus"):
-        report = convert(meta_model("llama3"), device="cpu", backend="primus_turbo").report
-    assert routes(report) == {"linear": "emulated"}
-    assert "falling back to automatic routing" in caplog.text
+    # A named backend never falls back, strict or not.
+    with pytest.raises(tp.BackendUnavailableError, match='MI300-class.*named in the FP8 config.*backend="auto"'):
+        convert(meta_model("llama3"), device="cpu", backend="primus_turbo")
 
 
 def test_backend_requested_by_name_and_by_environment(monkeypatch):

@@ -112,7 +112,8 @@ class ConversionOptions:
     backend: str = "auto"
     """"auto" (Primus-Turbo on MI300-class GPUs, TorchAO on other FP8 GPUs, the emulation on
     CPUs; on a GPU, layers no kernel there can run stay in high precision), or one of
-    "primus_turbo", "torchao", "emulated" (or a plugin backend)."""
+    "primus_turbo", "torchao", "emulated" (or a plugin backend): that backend runs every converted
+    op, or conversion raises with the reason (a named backend never falls back to another)."""
     recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8", "blockwise"] = "rowwise"
     """FP8 recipe: TorchAO's names, plus "mxfp8" (MX: 1x32 blocks, E8M0 scales) and "blockwise"
     (DeepSeek-V3: 1x128 activation tiles, 128x128 weight blocks)."""
@@ -126,8 +127,9 @@ class ConversionOptions:
     auto_filter_small_kn: bool = False
     """Keep linears too small to gain from FP8 (TorchAO's H100 thresholds) in high precision."""
     strict: bool = False
-    """Raise instead of falling back when the device's preferred backend (or the one named in
-    ``backend``) cannot run an op."""
+    """With ``backend="auto"``: raise instead of falling back when the device's preferred backend
+    cannot run an op. A backend named in ``backend`` never falls back: where it cannot run an op,
+    conversion raises with the reason, whatever ``strict`` says."""
     device: str | None = None
     """Route as if on this named device profile ("gfx942", "sm90", "cpu", ...); default: the
     detected device."""
@@ -332,7 +334,7 @@ class LayerRouter:
             try:
                 self.report.decisions[op] = self._route(op)
             except BackendUnavailableError as e:
-                if self.options.strict:
+                if self.options.strict or self.options.backend != "auto":
                     raise
                 logger.warning("titan-primus: %s; those layers stay in high precision", e)
                 self._unroutable[op] = f"no FP8 backend here: {e}"
@@ -418,10 +420,14 @@ class LayerRouter:
         try:
             decision = select_backend(op, opts.recipe, device, opts.backend)
         except BackendUnavailableError as e:
-            if opts.strict or opts.backend == "auto":
+            if opts.backend == "auto":
                 raise
-            logger.warning("titan-primus: %s; falling back to automatic routing (strict=False)", e)
-            decision = select_backend(op, opts.recipe, device, "auto")
+            # A backend the user names is kept: another backend would train another FP8 definition.
+            raise BackendUnavailableError(
+                f"{e}. backend={opts.backend!r} was named in the FP8 config, so no other backend runs it "
+                f"in its place: run where {opts.backend} can run it, name another backend, or set "
+                f'backend="auto" to route each op to the best backend that runs it here'
+            ) from e
         if opts.strict and opts.backend == "auto":
             preferred = preferred_backend(device) or max(backends().values(), key=lambda b: b.rank(device))
             if decision.backend is not preferred:
