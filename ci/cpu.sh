@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # CPU CI, what .ci/run and the cpu workflow run, on a fresh clone on any Linux x86-64 machine with
-# Python 3.11, git and a package registry: the lint gate, the README's test command (with the tier
-# on Primus-Turbo's own code: ci/primus-turbo.sh fetches its four builds from GitHub where they are
-# not beside the checkout), the CPU parity gate (results in artifacts/cpu), then the TorchTitan
-# 0.2.x suite on the oldest stack the project supports (torch 2.12, torchao 0.15: AMD's images) and
-# on the current one, and the canary on TorchTitan main (2026-08-21). Stops at the first failure.
+# Python 3.11, git and a package registry: the lint gate, the README's test command (the suite and
+# the tier on Primus-Turbo's own code at the Makefile's TURBO_RUNS: ci/primus-turbo.sh fetches its
+# builds from GitHub where they are not beside the checkout), the CPU parity gate (results in
+# artifacts/cpu), then the TorchTitan 0.2.x suite on the oldest stack the project supports (torch
+# 2.12, torchao 0.15: AMD's images) and on the current one. Stops at the first failure. The tier's
+# other runs and the canary on TorchTitan main are ci/cpu-more.sh's, the MoE validate
+# ci/cpu-moe.sh's: jobs of the cpu workflow beside this one, so that this script, which .ci/run
+# runs on one 2-core machine, stays well under CI's time limit (docs/ci.md).
 #
 # Each suite has its own venv of 5-6 GB (torch's registry wheels are CUDA builds). A venv this
 # script created is removed once its suite has passed, so the run peaks at two venvs' worth of
@@ -22,7 +25,7 @@ if ((free_gb < need_gb)); then
 fi
 
 created=()
-for venv in .venv .venv-tt02 .venv-oldest .venv-tt-next; do
+for venv in .venv .venv-tt02 .venv-oldest; do
     [[ -e $venv ]] || created+=("$venv")
 done
 drop_if_created() {
@@ -79,7 +82,3 @@ timed make test-oldest
 drop_if_created .venv-oldest
 timed make test-tt02
 drop_if_created .venv-tt02
-# The canary on TorchTitan's next line, TorchTitan main (2026-08-21): the 0.3 adapter's converter,
-# shapes, activation-checkpointing and trainer tests.
-timed make test-tt-next
-drop_if_created .venv-tt-next

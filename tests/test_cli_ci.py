@@ -8,6 +8,7 @@ credentials, the MI300X image by digest, checked before the MI300X job starts); 
 (ci/gate.sh) passes, or fails when a result falls below its threshold, keeping every result file
 either way."""
 
+import ast
 import fnmatch
 import json
 import os
@@ -204,12 +205,38 @@ def test_workflows_keep_the_results_whatever_failed(job):
 
 def test_ci_run_is_the_cpu_script_with_lint_first():
     """.ci/run (CI on a fresh clone) runs ci/cpu.sh, as the cpu workflow does: the lint gate, then
-    the README's test command, the CPU parity gate and the TorchTitan 0.2.x suites."""
+    the README's test command, the CPU parity gate and the TorchTitan 0.2.x suites; the cpu
+    workflow's cpu-more job runs the rest, the tier's other runs and the canary."""
     assert ["ci/cpu.sh"] in commands((ROOT / ".ci" / "run").read_text())
     argvs = commands((ROOT / "ci" / "cpu.sh").read_text())
     targets = [argv[1] for argv in argvs if argv[0] == "make"]
-    assert targets[0] == "lint" and {"test", "test-oldest", "test-tt02", "test-tt-next"} <= set(targets), targets
+    assert targets[0] == "lint" and {"test", "test-oldest", "test-tt02"} <= set(targets), targets
     assert ["ci/gate.sh", "cpu"] in argvs
+    more = [argv[1] for argv in commands((ROOT / "ci" / "cpu-more.sh").read_text()) if argv[0] == "make"]
+    assert more == ["test-turbo-more", "test-tt-next"]
+    assert any(
+        step.get("run") == "ci/cpu-more.sh" for step in workflow_steps(ROOT / ".github" / "workflows" / "cpu.yml")
+    )
+
+
+def makefile_runs(name: str) -> list[tuple[str, str]]:
+    """The Makefile's BUILD:ARCH list ``name`` (TURBO_RUNS, TURBO_MORE_RUNS), continued lines joined."""
+    text = (ROOT / "Makefile").read_text().replace("\\\n", " ")
+    return [tuple(run.split(":")) for run in re.search(rf"^{name}\s*:=\s*(.+)$", text, re.M)[1].split()]
+
+
+def test_the_tier_runs_every_build_where_its_costliest_tests_run_and_amds_builds_on_both():
+    """make test's tier runs and cpu-more's, together: every build on the architecture its costliest
+    tests take (real_turbo/conftest.py's ONE_ARCH), the two builds AMD's images carry on both
+    architectures, no run twice."""
+    # Read, not imported: importing the tier's conftest imports Primus-Turbo.
+    conftest = (ROOT / "tests" / "real_turbo" / "conftest.py").read_text()
+    one_arch = ast.literal_eval(re.search(r"^ONE_ARCH = (\{.*\})$", conftest, re.M)[1])
+    runs = makefile_runs("TURBO_RUNS") + makefile_runs("TURBO_MORE_RUNS")
+    assert len(runs) == len(set(runs)), runs
+    builds = re.search(r"^TURBO_BUILDS\s*:=\s*(.+)$", (ROOT / "Makefile").read_text(), re.M)[1].split()
+    assert {(build, one_arch[build]) for build in builds} <= set(runs)
+    assert {(build, arch) for build in ("v0.3.2.dev48", "v0.4.1.dev26") for arch in ("gfx942", "gfx950")} <= set(runs)
 
 
 def test_pre_commit_runs_the_releases_make_lint_runs():
