@@ -5,56 +5,70 @@ opaque op around Primus-Turbo (backends/primus_turbo/attention_fp8.py) is it, bi
 import pytest
 import torch
 from closeness import assert_bitwise, assert_sqnr_at_least
-from test_attention_fp8_emulated import _grads, _inputs
+from test_attention_fp8_emulated import _grads
 
 from real_turbo.conftest import ARCH, TURBO
 from titan_primus.backends.emulated_attention import fp8_attention as emulated_fp8_attention
 from titan_primus.backends.primus_turbo.attention_fp8 import fp8_attention as turbo_fp8_attention
 
 FP8_DTYPE = {"gfx942": torch.float8_e4m3fnuz, "gfx950": torch.float8_e4m3fn}[ARCH]
-SHAPES = [(1, 128, 2, 1, 32), (2, 128, 4, 2, 64)]  # (B, L, Hq, Hkv, D): GQA 2:1
+# (B, L, Hq, Hkv, D, Dv): GQA 2:1 at D 32 and 64 (Llama-like), MHA at D 128 and at DeepSeek-V3's
+# MLA head dims, 192 for q/k and 128 for v (GQA with unequal head dims is refused: docs/attention.md).
+SHAPES = [
+    (2, L, Hq, Hkv, D, Dv)
+    for L in (128, 192)
+    for Hq, Hkv, D, Dv in ((2, 1, 32, 32), (4, 2, 64, 64), (4, 4, 128, 128), (4, 4, 192, 128))
+]
 
-# Measured at the 4 builds x 2 archs (2026-12-02), bf16 gradients as autograd hands them over:
-# the forward bitwise but for at most 1 element (1 bf16 ulp) of 65,536, dV bitwise, dQ and dK at
-# 82.6 dB or more (equal in most cases): fp32 sums in other orders (the interpreter's numpy, the
-# emulation's exact FP8 dot products) flip a rare dS or Delta rounding.
-MAX_OUT_ELEMENTS_ONE_ULP_APART = 4
-MIN_DQ_DK_DB = 75.0
+# The emulation sums exactly and rounds once; the kernel (the interpreter's numpy here, the MFMA
+# chain on a GPU) sums fp32 in its own order, so a rare rounding of P, dS or Delta flips and its
+# row follows. Measured over these 32 cases at the 4 builds x 2 archs (2026-12-05; 256 cases),
+# the worst: out 80.9 dB with 1.8e-4 of its elements differing; dq 74.1 dB, dk 70.9 dB, 2.3e-3
+# differing; dv 81.5 dB, 3.4e-4 (dv bitwise in 192 of 256, out in 80). Bounds: (SQNR in dB at least,
+# fraction of elements differing at most), about 3 dB and 2x past the worst measured.
+BOUNDS = {"out": (78.0, 4e-4), "dq": (68.0, 5e-3), "dk": (68.0, 5e-3), "dv": (78.0, 7e-4)}
+
+
+def _inputs(B, L, Hq, Hkv, D, Dv, heavy_tailed, seed=0):
+    """q, k, v, dout in bf16: N(0, 1), or heavy-tailed (Student's t with 3 degrees of freedom,
+    outliers a per-tensor FP8 scale must span)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def draw(*shape):
+        x = torch.randn(*shape, generator=g)
+        if heavy_tailed:
+            x = x / (torch.randn(*shape, 3, generator=g).pow(2).mean(-1).sqrt() + 1e-3)
+        return x.to(torch.bfloat16)
+
+    return draw(B, L, Hq, D), draw(B, L, Hkv, D), draw(B, L, Hkv, Dv), draw(B, L, Hq, Dv)
 
 
 def _turbo_public(causal):
     return lambda q, k, v: TURBO.ops.flash_attn_fp8_func(q, k, v, softmax_scale=None, causal=causal)
 
 
-def _apart_by_one_ulp(a: torch.Tensor, b: torch.Tensor) -> int:
-    """How many bf16 elements differ; asserts each is at most one ulp (adjacent bit patterns)."""
-    a_bits, b_bits = a.view(torch.int16).int(), b.view(torch.int16).int()
-    assert ((a_bits - b_bits).abs() <= 1).all() and (a.sign() == b.sign()).all(), "more than one bf16 ulp apart"
-    return int((a_bits != b_bits).sum())
-
-
+@pytest.mark.parametrize("heavy_tailed", [False, True], ids=["normal", "heavy_tailed"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_emulation_is_primus_turbo_kernel(shape, causal):
-    q, k, v, dout = _inputs(*shape)
+def test_emulation_tracks_primus_turbo_kernel_within_measured_bounds(shape, causal, heavy_tailed):
+    q, k, v, dout = _inputs(*shape, heavy_tailed)
     turbo = _grads(_turbo_public(causal), q, k, v, dout)
     emulated = _grads(
         lambda *t: emulated_fp8_attention(*t, causal=causal, softmax_scale=None, fp8_dtype=FP8_DTYPE), q, k, v, dout
     )
     for name, a, b in zip(("out", "dq", "dk", "dv"), turbo, emulated):
-        assert a.dtype == b.dtype == torch.bfloat16 and torch.isfinite(b).all(), name
-    apart = _apart_by_one_ulp(turbo[0], emulated[0])
-    print(f"out: {apart} of {turbo[0].numel()} elements 1 ulp apart")
-    assert apart <= MAX_OUT_ELEMENTS_ONE_ULP_APART
-    assert_bitwise(turbo[3], emulated[3], "dv")
-    for name, a, b in zip(("dq", "dk"), turbo[1:3], emulated[1:3]):
-        db = float("inf") if torch.equal(a, b) else assert_sqnr_at_least(a.float(), b.float(), MIN_DQ_DK_DB, name)
-        print(f"{name}: {db:.1f} dB")
+        assert a.dtype == b.dtype == torch.bfloat16 and torch.isfinite(a).all() and torch.isfinite(b).all(), name
+        min_db, max_fraction = BOUNDS[name]
+        differing = int((a.view(torch.int16) != b.view(torch.int16)).sum())
+        db = float("inf") if differing == 0 else assert_sqnr_at_least(a.float(), b.float(), min_db, name)
+        print(f"{name}: {db:.1f} dB, {differing} of {a.numel()} elements differ")
+        assert differing <= max_fraction * a.numel(), f"{name}: {differing} of {a.numel()} elements differ"
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_opaque_op_is_flash_attn_fp8_func(causal):
-    q, k, v, dout = _inputs(*SHAPES[1])
+@pytest.mark.parametrize("shape", [(2, 128, 4, 2, 64, 64), (2, 128, 4, 4, 192, 128)], ids=str)
+def test_opaque_op_is_flash_attn_fp8_func(shape, causal):
+    q, k, v, dout = _inputs(*shape, heavy_tailed=False)
     theirs = _grads(_turbo_public(causal), q, k, v, dout)
     ours = _grads(lambda *t: turbo_fp8_attention(*t, causal=causal, softmax_scale=None), q, k, v, dout)
     for name, a, b in zip(("out", "dq", "dk", "dv"), theirs, ours):
@@ -67,7 +81,7 @@ def test_opaque_op_is_flash_attn_fp8_func(causal):
 
 
 def test_opaque_op_compiles_fullgraph_equal_to_eager():
-    q, k, v, dout = _inputs(*SHAPES[0])
+    q, k, v, dout = _inputs(1, 128, 2, 1, 32, 32, heavy_tailed=False)
 
     def fn(q, k, v):
         return turbo_fp8_attention(q, k, v, causal=True, softmax_scale=None)
@@ -89,7 +103,7 @@ def test_opaque_op_is_a_well_formed_custom_op(causal):
 
     from titan_primus.backends.primus_turbo.attention_fp8 import FORWARD_OP
 
-    q, k, v, _ = _inputs(*SHAPES[0])
+    q, k, v, _ = _inputs(1, 128, 2, 1, 32, 32, heavy_tailed=False)
     args = tuple(t.requires_grad_() for t in (q, k, v)) + (causal, 0.125)
     _no_output_aliases_an_input(FORWARD_OP, args)
     torch.library.opcheck(FORWARD_OP, args, test_utils=WITHOUT_FP8_ARITHMETIC)

@@ -123,7 +123,7 @@ def _attention_backend(device: DeviceProfile, backend: str) -> tuple[str | None,
         if backend == "primus_turbo" or device.mi300_class:
             return None, f"Primus-Turbo is not usable here: {turbo.reason}"
     if backend == "emulated" or (backend == "auto" and device.kind == "cpu"):
-        return "emulated", "the exact emulation of Primus-Turbo's FP8 attention"
+        return "emulated", "the emulation of Primus-Turbo's FP8 attention"
     return None, f"no attention backend of titan-primus's on {device.arch} (TorchAO has no FP8 attention)"
 
 
