@@ -149,7 +149,7 @@ class ConversionOptions:
     (document masking through cu_seqlens, sliding windows, the model's softmax scale); elsewhere
     they stay TorchTitan's own. Off by default until it has run on an MI300 (docs/attention.md)."""
     fp8_attention: bool = False
-    """Run attention in FP8 (Primus-Turbo's blockwise-64 kernel; its exact emulation on CPUs) on
+    """Run attention in FP8 (Primus-Turbo's blockwise-64 kernel; its emulation on CPUs, to measured bounds) on
     the layers whose attention its definition can compute: plain causal or full, no window or
     dropout, sequence lengths a multiple of 64. Every other layer is refused with the reason in
     the routing report (and keeps bf16 Primus-Turbo attention with ``attention`` on)."""
