@@ -234,3 +234,19 @@ def test_torchao_moe_block_keeps_the_routed_tokens_once():
 
     result = moe_block_kept(tokens=96, dim=64, hidden=48, experts=2)
     assert result["token_copies"] == 1 and result["kept"]["weight_copy"] == 0, result
+
+
+def test_a_torchao_that_moved_its_grouped_gemm_is_told_apart_from_an_old_one(monkeypatch):
+    """Issue 42: with TorchAO 0.18 installed and its grouped GEMM moved, the reason used to ask for
+    torchao>=0.17; it now says the symbol is missing from a TorchAO that should have it, with the
+    versions verified. A TorchAO older than 0.17 still gets the install hint."""
+    import torchao
+
+    from titan_primus.backends import torchao as backend
+
+    monkeypatch.setattr(backend, "_GROUPED_MM_NAMES", (("torchao.prototype.moe_training", "_moved_upstream"),))
+    why = backend.TorchAOBackend()._grouped_mm_import_error
+    assert f"TorchAO {torchao.__version__} lacks its FP8 rowwise grouped GEMM" in why, why
+    assert "_moved_upstream" in why and "verified on TorchAO 0.17 to 0.18" in why and ">=0.17" not in why
+    monkeypatch.setattr(torchao, "__version__", "0.16.0")
+    assert "pip install 'torchao>=0.17'" in backend.TorchAOBackend()._grouped_mm_import_error

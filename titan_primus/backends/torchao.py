@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
+import re
 from functools import cached_property
 
 import torch
@@ -111,9 +112,17 @@ class TorchAOBackend(Fp8Backend):
         except ImportError as e:
             if importlib.util.find_spec("triton") is None:
                 return "TorchAO's FP8 grouped GEMM is written in Triton, which is not installed"
+            version = importlib.import_module("torchao").__version__
+            if _release(version) < (0, 17):
+                return (
+                    f"TorchAO {version} has no FP8 rowwise grouped GEMM (_to_fp8_rowwise_then_scaled_grouped_mm, "
+                    f"from torchao 0.17; {e}): pip install 'torchao>=0.17'"
+                )
+            # A TorchAO that should have it: the symbol moved upstream, and a newer TorchAO is no fix.
             return (
-                f"TorchAO {importlib.import_module('torchao').__version__} has no FP8 rowwise grouped GEMM "
-                f"(_to_fp8_rowwise_then_scaled_grouped_mm, from torchao 0.17; {e}): pip install 'torchao>=0.17'"
+                f"TorchAO {version} lacks its FP8 rowwise grouped GEMM where titan-primus's TorchAO grouped GEMM "
+                f"takes it (titan_primus/backends/torchao.py; verified on TorchAO {_VERIFIED_TORCHAO_GROUPED}: "
+                f"{e}): install a TorchAO from {_VERIFIED_TORCHAO_GROUPED}, or a titan-primus that supports this one"
             )
         return None
 
@@ -358,6 +367,12 @@ _LINEAR_SYMBOLS = {
     "ScaledMMConfig": "torchao.float8.float8_training_tensor",
 }
 _VERIFIED_TORCHAO = "0.15 to 0.18"
+_VERIFIED_TORCHAO_GROUPED = "0.17 to 0.18"
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """(major, minor) of a version string such as "0.18.0+cu130" or "0.19.0.dev20261201"."""
+    return tuple(int(part) for part in re.findall(r"\d+", version)[:2])
 
 
 def _linear_symbol(name: str):
