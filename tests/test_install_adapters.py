@@ -85,6 +85,55 @@ def test_a_missing_torchtitan_says_which_extra_to_install(messages):
     assert message.endswith(f"which is not installed: pip install 'titan-primus[{EXTRA}]'"), message
 
 
+# What each adapter imports from TorchTitan first-hand (TorchTitan's own modules do not), and its
+# line module's own symbol: (module, symbol, titan-primus's file that imports it).
+_FIRST_HAND = {
+    "0.3": [
+        ("torchtitan.components.quantization.utils", "swap_token_dispatcher", "titan_primus/torchtitan/converter.py"),
+        ("torchtitan.protocols.model", "ModelConfigConverter", "titan_primus/torchtitan/__init__.py"),
+    ],
+    "0.2": [
+        ("torchtitan.models.moe.moe", "GroupedExperts", "titan_primus/torchtitan02/converter.py"),
+        ("torchtitan.protocols.model_converter", "register_model_converter", "titan_primus/torchtitan02/__init__.py"),
+    ],
+}
+_MOVED = """
+import importlib, json, sys
+
+messages = []
+for owner, symbol, _ in json.loads(sys.argv[2]):
+    delattr(importlib.import_module(owner), symbol)  # as a TorchTitan that moved or renamed it
+    try:
+        importlib.import_module(sys.argv[1])
+        messages.append(None)
+    except ImportError as e:
+        messages.append(str(e))
+    for name in [n for n in sys.modules if n.startswith(("torchtitan", "titan_primus.torchtitan"))]:
+        del sys.modules[name]
+print(json.dumps(messages))
+"""
+
+
+def test_a_symbol_torchtitan_moved_is_named_with_titan_primus_file_and_the_verified_release():
+    """Issue 42: a TorchTitan of the adapter's own line without a symbol the adapter imports read as
+    a broken install ("install (or repair) the distribution that provides the module 'torchtitan'"),
+    or as the other line, and titan-primus's file was named as TorchTitan's ("torchtitan/converter.py")."""
+    cases = _FIRST_HAND[LINE]
+    done = subprocess.run(
+        [sys.executable, "-c", _MOVED, THIS, json.dumps(cases)], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr
+    for (owner, symbol, where), message in zip(cases, json.loads(done.stdout.splitlines()[-1])):
+        assert (
+            message and f"TorchTitan {TORCHTITAN} lacks what titan-primus imports from it, in {where}, line" in message
+        )
+        assert (
+            f"cannot import name '{symbol}' from '{owner}'" in message
+            and "this TorchTitan moved or renamed it" in message
+        )
+        assert "repair" not in message and "does not" not in message, message
+
+
 _STAND_IN = """
 import json, sys
 from titan_primus.cli.doctor import diagnose, render

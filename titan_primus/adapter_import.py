@@ -19,12 +19,12 @@ __all__ = ["adapter_import_error", "installed_version", "unsupported_torchtitan"
 
 
 def adapter_import_error(
-    error: ImportError, *, adapter: str, line: str, extra: str, line_module: str, instead: str
+    error: ImportError, *, adapter: str, line: str, verified: str, extra: str, line_module: str, instead: str
 ) -> ImportError:
     """The ImportError ``adapter`` raises when importing TorchTitan failed with ``error``.
 
-    ``line_module`` is the TorchTitan module only ``line`` has; ``instead`` tells what to use on
-    the other line.
+    ``verified``: the TorchTitan release of ``line`` the adapter was verified on; ``line_module``
+    is the TorchTitan module only ``line`` has; ``instead`` tells what to use on the other line.
     """
     missing = error.name or ""
     if missing == "torchtitan":
@@ -35,10 +35,22 @@ def adapter_import_error(
     if refusal and missing.startswith("torchtitan."):
         return ImportError(refusal)
     version = installed_version("torchtitan") or "of unknown version"
-    if missing == line_module or (line_module.startswith(f"{missing}.") and missing.startswith("torchtitan.")):
+    of_this_line = version.startswith(line.removesuffix(".x"))
+    if not of_this_line and (
+        missing == line_module or (line_module.startswith(f"{missing}.") and missing.startswith("torchtitan."))
+    ):
         return ImportError(
             f"{adapter} is the adapter for TorchTitan {line}, which has {line_module}; the installed "
             f"TorchTitan ({version}) does not. {instead}"
+        )
+    if missing.startswith("torchtitan") and _in_titan_primus(error):
+        # TorchTitan imported, but what titan-primus takes from it is not where this line had it:
+        # an upstream move or rename, which no reinstall of TorchTitan repairs.
+        return ImportError(
+            f"{adapter}: TorchTitan {version} lacks what titan-primus imports from it, {_where(error)}: "
+            f"{type(error).__name__}: {error}. The adapter was verified on TorchTitan {verified}; this TorchTitan "
+            f"moved or renamed it. Fix: install TorchTitan {verified} (pip install 'torchtitan=={verified}'), "
+            f"or a titan-primus that supports TorchTitan {version}"
         )
     return ImportError(
         f"{adapter}: importing TorchTitan {version} failed inside it, {_where(error)}: "
@@ -79,16 +91,37 @@ def unsupported_torchtitan() -> str | None:
     )
 
 
-def _where(error: BaseException) -> str:
-    """The file and line of the import statement that failed (importlib's own frames skipped)."""
+def _failed_frame(error: BaseException):
+    """The frame of the import statement that failed (importlib's own frames skipped), or None."""
     frames = [f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith("<")]
-    if not frames:
+    return frames[-1] if frames else None
+
+
+def _in_titan_primus(error: BaseException) -> bool:
+    """Whether the import that failed is one of titan-primus's own (its adapter importing TorchTitan)."""
+    frame = _failed_frame(error)
+    return frame is not None and Path(frame.filename).resolve().is_relative_to(_PACKAGE)
+
+
+_PACKAGE = Path(__file__).resolve().parent
+
+
+def _where(error: BaseException) -> str:
+    """The file and line of the import statement that failed, from its package down."""
+    frame = _failed_frame(error)
+    if frame is None:
         return "at import"
-    parts = Path(frames[-1].filename).parts
-    # From the package down (torchtitan/models/...), wherever TorchTitan is installed or checked out.
-    if "torchtitan" in parts:
-        parts = parts[len(parts) - 1 - parts[::-1].index("torchtitan") :]
-    return f"in {'/'.join(parts).lstrip('/')}, line {frames[-1].lineno}"
+    path = Path(frame.filename).resolve()
+    if path.is_relative_to(_PACKAGE):
+        # titan-primus's own file: named by package, as titan_primus/torchtitan/converter.py, which
+        # cut at its "torchtitan" folder would read as one of TorchTitan's.
+        parts = ("titan_primus", *path.relative_to(_PACKAGE).parts)
+    else:
+        parts = path.parts
+        # From the package down (torchtitan/models/...), wherever TorchTitan is installed or checked out.
+        if "torchtitan" in parts:
+            parts = parts[len(parts) - 1 - parts[::-1].index("torchtitan") :]
+    return f"in {'/'.join(parts).lstrip('/')}, line {frame.lineno}"
 
 
 def _fix(missing: str) -> str:

@@ -16,6 +16,7 @@ except ImportError as e:
         e,
         adapter="titan_primus.torchtitan (Float8Converter)",
         line="0.3",
+        verified="0.3.0",
         extra="torchtitan",
         line_module="torchtitan.protocols.model",
         instead="On TorchTitan 0.2.x use titan_primus.torchtitan02 through [experimental] custom_import",

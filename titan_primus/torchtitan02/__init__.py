@@ -30,6 +30,7 @@ except ImportError as e:
         e,
         adapter="titan_primus.torchtitan02",
         line="0.2.x",
+        verified="0.2.2",
         extra="torchtitan02",
         line_module="torchtitan.protocols.model_converter",
         instead="On TorchTitan 0.3 use the 0.3 adapter: --module titan_primus --config <stock>_fp8",
