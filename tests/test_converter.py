@@ -218,6 +218,22 @@ def test_torchtitan_has_quantization_recognises_converted_configs(model, options
         assert not has_quantization(stock)
 
 
+def test_a_torchtitan_without_has_quantization_warns_and_converts(monkeypatch, caplog):
+    """Issue 42: a renamed has_quantization was a bare AttributeError at the converter's build. Only
+    the MFU line depends on it, so conversion goes on, saying what moved and what it costs."""
+    from torchtitan.components.quantization import utils
+
+    from titan_primus.torchtitan import converter
+
+    monkeypatch.delattr(utils, "has_quantization")
+    converter._warn_has_quantization_moved.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="titan_primus"):
+        _, report = convert(device="cpu")
+    assert report.converted()
+    assert "has no torchtitan.components.quantization.utils.has_quantization" in caplog.text
+    assert "logs MFU against the bf16 peak. Training is unaffected" in caplog.text
+
+
 def test_torchtitan_orders_the_converter_as_a_quantization_converter():
     """TorchTitan's other question about converters: quantization ones must precede LoRA."""
     from torchtitan.components.lora import LoRAConverter

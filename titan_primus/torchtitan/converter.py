@@ -14,6 +14,7 @@ from torchtitan.components.quantization.utils import swap_token_dispatcher
 from torchtitan.models.common.linear import Linear
 from torchtitan.models.common.moe import GroupedExperts
 
+from ..adapter_import import installed_version
 from ..recipes import with_fp8_dispatch, with_token_groups_padded_to
 from ..conversion import ConversionOptions, LayerRouter, keep_fp8_cast_rounding_under_inductor
 from ..sentinel import COMPILE_UNSUPPORTED, SentinelLayer, drive_trainer
@@ -57,7 +58,11 @@ def recognise_fp8_in_has_quantization() -> None:
     updated (its module, and ``torchtitan.trainer``, which imported it by name). Idempotent;
     done when a converter is built, which is before the trainer asks.
     """
-    original = quantization_utils.has_quantization
+    original = getattr(quantization_utils, "has_quantization", None)
+    if original is None:
+        # Only the MFU line depends on it: training goes on, and the user learns why MFU shows.
+        _warn_has_quantization_moved()
+        return
     if getattr(original, "recognises_titan_primus", False):
         return
 
@@ -70,6 +75,18 @@ def recognise_fp8_in_has_quantization() -> None:
     trainer = sys.modules.get("torchtitan.trainer")
     if trainer is not None and getattr(trainer, "has_quantization", None) is original:
         trainer.has_quantization = has_quantization
+
+
+@functools.cache
+def _warn_has_quantization_moved() -> None:
+    logger.warning(
+        "titan-primus: TorchTitan %s has no torchtitan.components.quantization.utils.has_quantization, which "
+        "titan-primus wraps so that the trainer knows an FP8 model is quantized (titan_primus/torchtitan/"
+        "converter.py; verified on TorchTitan 0.3.0): TorchTitan moved or renamed it, so the trainer logs MFU "
+        "against the bf16 peak. Training is unaffected. Fix: install torchtitan==0.3.0, or a titan-primus "
+        "that supports this TorchTitan",
+        installed_version("torchtitan"),
+    )
 
 
 def _replace(model_config, parent, attr, new_config):
