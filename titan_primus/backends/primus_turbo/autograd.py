@@ -51,14 +51,14 @@ def _backend(api: TurboApi, name: str) -> int:
 def _quantize(api: TurboApi, t: torch.Tensor, dtype: torch.dtype, recipe: str, axis: int | None = None):
     """(FP8 data, scale_inv) as ``QuantizedTensor.quantize`` makes them (tensorwise: axis None)."""
     if recipe == "tensorwise":
-        return api.quant.quantize_fp8_tensorwise_impl(t, dtype)
-    return api.quant.quantize_fp8_rowwise_impl(t, dtype, axis % t.dim())
+        return api.quant.quantize_fp8_tensorwise_impl(x=t, out_dtype=dtype)
+    return api.quant.quantize_fp8_rowwise_impl(x=t, out_dtype=dtype, axis=axis % t.dim())
 
 
 def _requantized(api: TurboApi, q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype, axis: int, new_axis: int):
     """A rowwise copy quantized along ``new_axis`` from the ``axis`` copy dequantized to
     ``dtype`` (``QuantizedTensor.quantize(quantized.dequantize(), ...)``)."""
-    source = api.quant.dequantize_fp8_rowwise_impl(q, dtype, axis % q.dim(), scale_inv)
+    source = api.quant.dequantize_fp8_rowwise_impl(x=q, out_dtype=dtype, axis=axis % q.dim(), scale_inv=scale_inv)
     return _quantize(api, source, q.dtype, "rowwise", new_axis)
 
 
@@ -67,7 +67,7 @@ def _weight_forward(api: TurboApi, weight: torch.Tensor, dtype: torch.dtype, rec
     if isinstance(weight, Fp8GatheredWeight):
         return weight.fp8_data(), weight.scale_inv()
     if recipe == "blockwise":
-        return api.quant.quant_fp8_blockwise_for_weight_impl(weight, dtype, block_size=BLOCKWISE_SIZE)
+        return api.quant.quant_fp8_blockwise_for_weight_impl(w=weight, dtype=dtype, block_size=BLOCKWISE_SIZE)
     return _quantize(api, weight, dtype, recipe, axis)
 
 
@@ -104,7 +104,9 @@ def _weight_for_backward(
         q = weight
     if recipe != "rowwise":
         return q, scale_inv
-    source = api.quant.dequantize_fp8_rowwise_impl(q, source_dtype, axis % q.dim(), scale_inv)
+    source = api.quant.dequantize_fp8_rowwise_impl(
+        x=q, out_dtype=source_dtype, axis=axis % q.dim(), scale_inv=scale_inv
+    )
     return _quantize(api, source, fp8_dtype, "rowwise", new_axis)
 
 
@@ -120,6 +122,36 @@ def _weight_backward(
         return weight.fp8_data(), weight.scale_inv()
     return _weight_for_backward(
         weight.fp8_data(), weight.scale_inv(), grad, recipe, fp8_dtype, weight._source_dtype, axis, new_axis
+    )
+
+
+def _gemm(
+    api: TurboApi,
+    a,
+    a_scale_inv,
+    trans_a: bool,
+    b,
+    b_scale_inv,
+    trans_b: bool,
+    out_dtype,
+    trans_c: bool,
+    granularity: int,
+    backend: int,
+):
+    """``primus_turbo::gemm_fp8_impl``, called by its schema's argument names (the same at every
+    verified build), so that an argument a newer build adds with a default changes nothing and a
+    renamed or removed one fails by name instead of shifting values into other parameters."""
+    return api.gemm(
+        a=a,
+        a_scale_inv=a_scale_inv,
+        trans_a=trans_a,
+        b=b,
+        b_scale_inv=b_scale_inv,
+        trans_b=trans_b,
+        out_dtype=out_dtype,
+        trans_c=trans_c,
+        granularity=granularity,
+        default_backend=backend,
     )
 
 
@@ -146,11 +178,11 @@ class TurboLinear(torch.autograd.Function):
         x = x.contiguous()
         x_col = sx_col = None
         if recipe == "blockwise":  # one kernel casts both ways; the column cast is kept only for wgrad
-            xq, sx, x_col, sx_col = api.quant.quant_fp8_blockwise_dual_impl(x, fwd, block_size=BLOCKWISE_SIZE)
+            xq, sx, x_col, sx_col = api.quant.quant_fp8_blockwise_dual_impl(x=x, dtype=fwd, block_size=BLOCKWISE_SIZE)
         else:
             xq, sx = _quantize(api, x, fwd, recipe, -1)
         wq, sw = _weight_forward(api, weight, fwd, recipe, -1)
-        out = api.gemm(xq, sx, False, wq, sw, True, out_dtype, False, granularity, backend)
+        out = _gemm(api, xq, sx, False, wq, sw, True, out_dtype, False, granularity, backend)
         if not need_w:
             x_col = sx_col = None
         elif recipe == "rowwise":
@@ -174,26 +206,28 @@ class TurboLinear(torch.autograd.Function):
         grad = grad.to(out_dtype).contiguous()
         gq = sg = g_col = sg_col = grad_x = grad_w = None
         if recipe == "blockwise":  # one kernel casts both ways
-            gq, sg, g_col, sg_col = api.quant.quant_fp8_blockwise_dual_impl(grad, bwd, block_size=BLOCKWISE_SIZE)
+            gq, sg, g_col, sg_col = api.quant.quant_fp8_blockwise_dual_impl(
+                x=grad, dtype=bwd, block_size=BLOCKWISE_SIZE
+            )
         elif need_x or recipe == "tensorwise":  # tensorwise: one cast serves both GEMMs
             gq, sg = _quantize(api, grad, bwd, recipe, -1)
         if need_x:
             wq, sw = _weight_backward(weight, grad, fwd, recipe, -1, -2)
             if nt:
                 wq = wq.t().contiguous()
-            grad_x = api.gemm(gq, sg, False, wq, sw, nt, out_dtype, False, granularity, backend)
+            grad_x = _gemm(api, gq, sg, False, wq, sw, nt, out_dtype, False, granularity, backend)
             grad_x = grad_x.to(ctx.dtypes[0])
         if need_w:
             if nt:
-                grad_w = api.gemm(
-                    x_col, sx_col, False, gq.t().contiguous(), sg, True, out_dtype, True, granularity, backend
+                grad_w = _gemm(
+                    api, x_col, sx_col, False, gq.t().contiguous(), sg, True, out_dtype, True, granularity, backend
                 )
             else:
                 if recipe == "rowwise":
                     g_col, sg_col = _quantize(api, grad, bwd, recipe, -2)
                 elif recipe == "tensorwise":
                     g_col, sg_col = gq, sg
-                grad_w = api.gemm(x_col, sx_col, True, g_col, sg_col, False, out_dtype, True, granularity, backend)
+                grad_w = _gemm(api, x_col, sx_col, True, g_col, sg_col, False, out_dtype, True, granularity, backend)
             grad_w = grad_w.to(ctx.dtypes[1])
         return grad_x, grad_w, None
 
@@ -218,13 +252,14 @@ def group_offsets(offs: torch.Tensor) -> torch.Tensor:
 
 def _grouped_gemm(api: TurboApi, a, b, a_scales, b_scales, lens, goffs, trans_b: bool, granularity: int, backend: int):
     """``primus_turbo::grouped_gemm_fp8_impl`` over groups of rows of ``a``, bf16 out."""
+    # By the schema's argument names, as _gemm.
     return api.grouped(
-        a,
-        b,
-        a_scales,
-        b_scales,
-        lens,
-        goffs,
+        a=a,
+        b=b,
+        a_scales=a_scales,
+        b_scales=b_scales,
+        group_lens=lens,
+        group_offs=goffs,
         trans_a=False,
         trans_b=trans_b,
         out_dtype=torch.bfloat16,
@@ -252,7 +287,12 @@ class TurboGroupedMM(torch.autograd.Function):
         a_col = sa_col = None
         if recipe == "blockwise":  # one kernel casts both ways; the column cast is kept only for wgrad
             aq, a_col, sa, sa_col, _, _ = api.quant.quant_fp8_blockwise_segment_m_row_col_impl(
-                A, fwd, BLOCKWISE_SIZE, lens, goffs, gemm_other_dim=b.shape[b_col]
+                x=A,
+                dtype=fwd,
+                block_size=BLOCKWISE_SIZE,
+                group_lens=lens,
+                group_offs=goffs,
+                gemm_other_dim=b.shape[b_col],
             )
         else:
             aq, sa = _quantize(api, A, fwd, recipe, -1)
@@ -281,7 +321,12 @@ class TurboGroupedMM(torch.autograd.Function):
         gq = sg = g_col = sg_col = grad_A = grad_B_t = None
         if recipe == "blockwise":  # one kernel casts both ways
             gq, g_col, sg, sg_col, vk_lens, vk_offs = api.quant.quant_fp8_blockwise_segment_m_row_col_impl(
-                grad, bwd, BLOCKWISE_SIZE, lens, goffs, gemm_other_dim=ctx.b_shape[b_row]
+                x=grad,
+                dtype=bwd,
+                block_size=BLOCKWISE_SIZE,
+                group_lens=lens,
+                group_offs=goffs,
+                gemm_other_dim=ctx.b_shape[b_row],
             )
         elif need_A or recipe == "tensorwise":  # tensorwise: one cast serves both GEMMs
             gq, sg = _quantize(api, grad, bwd, recipe, -1)
@@ -300,12 +345,12 @@ class TurboGroupedMM(torch.autograd.Function):
             elif recipe == "tensorwise":
                 g_col, sg_col = gq, sg
             grad_b = api.grouped_variable_k(
-                a_col,
-                g_col,
-                sa_col,
-                sg_col,
-                vk_lens,
-                vk_offs,
+                a=a_col,
+                b=g_col,
+                a_scales=sa_col,
+                b_scales=sg_col,
+                group_lens=vk_lens,
+                group_offs=vk_offs,
                 trans_a=True,
                 trans_b=False,
                 trans_c=trans_b,
