@@ -354,15 +354,17 @@ def test_a_corrupted_backend_fails_the_convergence_verdict(tmp_path):
     assert "llama3_debugmodel: runs complete" not in failed and "llama3_debugmodel: fp8 engaged" not in failed
 
 
-def test_primus_turbo_named_on_a_cpu_fails_fp8_engaged(tmp_path):
-    """The issue's case: Primus-Turbo named (nothing can convert here), 4 steps."""
+def test_primus_turbo_named_on_a_cpu_fails_before_training(tmp_path):
+    """Issue 42's case: Primus-Turbo named (nothing can convert here). A named backend never falls
+    back, so the converter would refuse it: validate says so before it trains anything."""
     path = tmp_path / "pt.json"
     proc = _validate("--steps", "4", "--json", str(path), env={"TITAN_PRIMUS_BACKEND": "primus_turbo"})
     assert proc.returncode == 1, proc.stdout + proc.stderr[-4000:]
-    doc = json.loads(path.read_text())
-    assert doc["summary"]["failed_verdicts"] == ["llama3_debugmodel: fp8 engaged"], doc["summary"]
-    text = _verdict(doc, "fp8 engaged")["text"]
-    assert "FP8 NOT ENGAGED: 31 layers stayed in high precision" in text and "Primus-Turbo runs only on" in text
+    assert "titan-primus validate: FAIL before training: backend 'primus_turbo' (from TITAN_PRIMUS_BACKEND)" in (
+        proc.stderr
+    )
+    assert "Primus-Turbo runs only on" in proc.stderr and "never falls back" in proc.stderr
+    assert "step" not in proc.stdout and not path.exists()
 
 
 def test_the_fp8_only_options_reach_the_fp8_runs_only():

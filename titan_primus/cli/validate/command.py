@@ -300,6 +300,25 @@ def _finite_json(value):
     return value
 
 
+def _named_backend_refusal(config_plans: list[ConfigPlan]) -> str | None:
+    """Why the backend named for the FP8 runs (--backend, else TITAN_PRIMUS_BACKEND) cannot run
+    their linears here, if it cannot: the converter would refuse it at conversion (a named
+    backend never falls back), so nothing is trained to learn it."""
+    from ...routing import BackendUnavailableError, select_backend
+
+    for plan in config_plans:
+        backend = plan.fp8_options.get("backend")
+        if backend:
+            try:
+                select_backend("linear", plan.recipe, None, backend)
+            except BackendUnavailableError as e:
+                return (
+                    f"{e}. The FP8 runs name {backend!r}, which never falls back to another backend: validate "
+                    f"where it runs, or name another with --backend"
+                )
+    return None
+
+
 def command(args, argv: list[str], out) -> int:
     import torch
 
@@ -315,6 +334,10 @@ def command(args, argv: list[str], out) -> int:
     seed, floor_seed = _setting(args, "seed", baseline), _setting(args, "floor_seed", baseline)
     if seed == floor_seed:
         raise ValueError("--floor-seed must differ from --seed: the seed floor is bf16 at another seed")
+    refusal = _named_backend_refusal(config_plans)
+    if refusal:
+        print(f"titan-primus validate: FAIL before training: {refusal}", file=sys.stderr)
+        return 1
     prepare_output(args.json)
     prepare_output(args.png)
     nproc = args.nproc or (baseline["settings"]["nproc"] if baseline else None)
