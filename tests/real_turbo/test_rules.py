@@ -212,3 +212,28 @@ def test_rows_past_the_groups(recipe):
     )
     assert _finite(out, grad_A, grad_W)
     assert (out[40:] == 0).all() and (grad_A[40:] == 0).all()
+
+
+def test_a_build_that_renamed_an_argument_titan_primus_passes_is_refused_at_load(monkeypatch):
+    """Issue 42: titan-primus calls Primus-Turbo's GEMMs and quantizers by argument name, each name
+    checked when Primus-Turbo is loaded (release.CALLED_BY_NAME). A quantizer without ``axis`` (the
+    issue's simulated upgrade) is refused there, named; one with a new optional argument passes."""
+    import importlib
+
+    from titan_primus.backends.primus_turbo import release
+
+    quant = importlib.import_module(release.QUANT_MODULE)
+    real = quant.dequantize_fp8_rowwise_impl
+
+    def with_new_option(x, out_dtype, axis, scale_inv, round_mode="rne"):
+        return real(x, out_dtype, axis, scale_inv)
+
+    monkeypatch.setattr(quant, "dequantize_fp8_rowwise_impl", with_new_option)
+    assert release._load().build == load_api().build
+
+    def without_axis(x, out_dtype, scale_inv):
+        return real(x, out_dtype, -1, scale_inv)
+
+    monkeypatch.setattr(quant, "dequantize_fp8_rowwise_impl", without_axis)
+    with pytest.raises(release.UnsupportedRelease, match=r"dequantize_fp8_rowwise_impl takes no argument axis"):
+        release._load()

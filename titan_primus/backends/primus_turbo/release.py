@@ -46,6 +46,8 @@ __all__ = [
 ]
 
 OLDEST = SURFACES[0]
+# The builds whose own code the tier runs (tests/real_turbo), named in the refusals below.
+VERIFIED_BUILDS = ("v0.3.1", "v0.3.2.dev48", "v0.4.0", "v0.4.1.dev26")
 INSTALL_HINT = "build it from source against ROCm (github.com/AMD-AGI/Primus-Turbo)"
 
 CONFIG_MODULE = "primus_turbo.pytorch.core.low_precision"
@@ -91,6 +93,57 @@ def _surface(enums: ModuleType, gemm_ops: ModuleType, grouped_impl) -> str:
     return "v0.3.1"
 
 
+# The argument names titan-primus passes (autograd.py calls these by keyword), the same at every
+# verified build: a build that renamed or removed one is refused at load, before any step, with
+# the function and the names; one that adds an argument with a default passes.
+CALLED_BY_NAME = {
+    "gemm_fp8_impl": (
+        "a", "a_scale_inv", "trans_a", "b", "b_scale_inv", "trans_b", "out_dtype", "trans_c", "granularity",
+        "default_backend",
+    ),
+    "grouped_gemm_fp8_impl": (
+        "a", "b", "a_scales", "b_scales", "group_lens", "group_offs", "trans_a", "trans_b", "out_dtype",
+        "granularity", "num_cu", "default_backend",
+    ),
+    "grouped_gemm_fp8_variable_k_impl": (
+        "a", "b", "a_scales", "b_scales", "group_lens", "group_offs", "trans_a", "trans_b", "trans_c", "out_dtype",
+        "granularity", "num_cu", "default_backend",
+    ),
+    "quantize_fp8_tensorwise_impl": ("x", "out_dtype"),
+    "quantize_fp8_rowwise_impl": ("x", "out_dtype", "axis"),
+    "dequantize_fp8_rowwise_impl": ("x", "out_dtype", "axis", "scale_inv"),
+    "quant_fp8_blockwise_for_weight_impl": ("w", "dtype", "block_size"),
+    "quant_fp8_blockwise_dual_impl": ("x", "dtype", "block_size"),
+    "quant_fp8_blockwise_segment_m_row_col_impl": (
+        "x", "dtype", "block_size", "group_lens", "group_offs", "gemm_other_dim",
+    ),
+}  # fmt: skip
+
+
+def _parameter_names(fn) -> set[str]:
+    """A custom op's schema arguments, or a plain function's parameters."""
+    op = getattr(fn, "_opoverload", None)
+    return {a.name for a in op._schema.arguments} if op is not None else set(inspect.signature(fn).parameters)
+
+
+def _check_called_by_name(modules: tuple[ModuleType, ...], version: str) -> None:
+    for name, needed in CALLED_BY_NAME.items():
+        fn = next((getattr(m, name) for m in modules if hasattr(m, name)), None)
+        if fn is None:
+            raise UnsupportedRelease(
+                f"Primus-Turbo {version} has no {name}, which titan-primus calls "
+                f"(titan_primus/backends/primus_turbo/autograd.py; verified at {', '.join(VERIFIED_BUILDS)}): "
+                f"use a verified build, or a titan-primus that supports this one"
+            )
+        missing = [n for n in needed if n not in _parameter_names(fn)]
+        if missing:
+            raise UnsupportedRelease(
+                f"Primus-Turbo {version}'s {name} takes no argument {', '.join(missing)}, which titan-primus "
+                f"passes by name (titan_primus/backends/primus_turbo/autograd.py; verified at "
+                f"{', '.join(VERIFIED_BUILDS)}): use a verified build, or a titan-primus that supports this one"
+            )
+
+
 def _too_old(why: str) -> str:
     return (
         f"this Primus-Turbo is older than {OLDEST} ({why}); titan-primus drives {OLDEST} and later, "
@@ -118,9 +171,13 @@ def _load() -> TurboApi:
     backend_module = importlib.import_module(BACKEND_MODULE)
     grouped_impl = importlib.import_module(GROUPED_IMPL_MODULE)
     surface = _surface(enums, importlib.import_module(GEMM_OPS_MODULE), grouped_impl.grouped_gemm_fp8_impl)
+    version = str(getattr(importlib.import_module("primus_turbo"), "__version__", "unknown"))
+    _check_called_by_name(
+        (importlib.import_module(GEMM_IMPL_MODULE), grouped_impl, importlib.import_module(QUANT_MODULE)), version
+    )
     api = TurboApi(
         surface=surface,
-        version=str(getattr(importlib.import_module("primus_turbo"), "__version__", "unknown")),
+        version=version,
         enums=enums,
         backend_type=backend_module.BackendType,
         quant=importlib.import_module(QUANT_MODULE),
