@@ -16,7 +16,17 @@ from titan_helpers import MODEL_REGISTRIES, build, model_config, token_ids
 from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention, VarlenAttention
 
 import titan_primus as tp
-from titan_primus.attention import AttentionSite, fp8_attention_refusal, route_attention
+from titan_primus.attention import (
+    AttentionSite,
+    attend,
+    attention_backends,
+    fp8_attention_refusal,
+    route_attention,
+)
+from titan_primus.backends.emulated import EmulatedBackend
+from titan_primus.backends.emulated_attention import EmulatedAttention
+from titan_primus.device import device_profile
+from titan_primus.hookspec import hookimpl
 from titan_primus.checkpointing import attention_save_ops
 from titan_primus.torchtitan import Float8Converter
 from titan_primus.torchtitan.attention import PrimusTurboSDPA, PrimusTurboVarlenAttention, flash_window
@@ -49,12 +59,13 @@ def test_document_masked_layers_stay_torchtitans_with_the_reason(device):
     assert sum(1 for _ in config.traverse(FlexAttention.Config)) == 6
     reasons = {r.reason for r in report.attention}
     assert len(reasons) == 1, reasons
+    reason = reasons.pop()
     if device == "gfx942":
-        assert "Primus-Turbo is not usable here" in reasons.pop()
+        assert "the primus_turbo backend is not usable here: Primus-Turbo is not importable" in reason
     elif device == "cpu":
-        assert "document masking needs varlen attention" in reasons.pop()
-    else:
-        assert "TorchAO has no FP8 attention" in reasons.pop()
+        assert "document masking needs varlen attention" in reason
+    if device != "cpu":  # the registry's backends ranked here, each with why not
+        assert "the torchao backend has no attention kernels" in reason
     data = report.as_dict()["attention"]
     assert set(data) == {r.fqn for r in report.attention}
     assert "attention:" in report.summary()
@@ -231,3 +242,53 @@ def test_varlen_config_subclasses_keep_torchtitans_masks():
     assert isinstance(config, VarlenAttention.Config) and not isinstance(config, ScaledDotProductAttention.Config)
     module = PrimusTurboVarlenAttention(config)
     assert module.causal and module.flash_window == (127, 0)
+
+
+class _CountedAttention(EmulatedAttention):
+    calls = 0
+
+    def fp8_attention(self, q, k, v, *, causal, softmax_scale):
+        type(self).calls += 1
+        return super().fp8_attention(q, k, v, causal=causal, softmax_scale=softmax_scale)
+
+
+class _AttentionPlugin:
+    """A plugin backend that provides FP8 attention and ranks above the emulation on a CPU."""
+
+    class Backend(EmulatedBackend):
+        name = "attention_plugin"
+
+        def rank(self, device):
+            return 500 if device.kind == "cpu" else 0
+
+        def attention(self):
+            return _CountedAttention
+
+    @hookimpl
+    def titan_primus_register_backends(self):
+        return [self.Backend()]
+
+
+def test_attention_is_routed_by_the_registry_as_the_gemms_are():
+    """Attention goes through the GEMMs' registry: under auto the highest-ranked backend here that
+    provides attention kernels (a plugin's, whose kernels each call runs), the backend named
+    otherwise; a backend without attention kernels (TorchAO) is named with that reason."""
+    site, cpu = AttentionSite(causal=True, head_dims=(64, 64)), device_profile("cpu")
+    plugin = _AttentionPlugin()
+    tp.registry.register(plugin, name="test-attention-plugin")
+    try:
+        route = route_attention("layer", site, device=cpu, backend="auto", bf16=False, fp8=True)
+        assert (route.backend, route.fp8, route.fp8_dtype) == ("attention_plugin", True, cpu.e4m3), route
+        q, k, v = (torch.randn(1, 64, 2, 64, dtype=torch.bfloat16) for _ in range(3))
+        attend(route, q, k, v, scale=None, causal=True)
+        assert _CountedAttention.calls == 1
+        assert "attention_plugin" in attention_backends() and "torchao" not in attention_backends()
+        assert attention_save_ops() >= _CountedAttention.forward_ops()
+        named = route_attention("layer", site, device=cpu, backend="emulated", bf16=False, fp8=True)
+        assert named.backend == "emulated", named
+        refused = route_attention("layer", site, device=cpu, backend="torchao", bf16=True, fp8=True)
+        assert refused.backend is None and "the torchao backend has no attention kernels" in refused.reason
+        bf16_only = route_attention("layer", site, device=cpu, backend="auto", bf16=True, fp8=False)
+        assert bf16_only.backend is None and "the attention_plugin backend has none" in bf16_only.reason
+    finally:
+        tp.registry.unregister(plugin)

@@ -16,6 +16,7 @@ from titan_primus import cli
 from titan_primus.cli.bench import command as bench
 from titan_primus.cli.parity import command as parity
 from titan_primus.backends.emulated import EmulatedBackend
+from titan_primus.backends.emulated_attention import EmulatedAttention
 from titan_primus.hookspec import hookimpl
 from titan_primus.cli.report import SCHEMA_VERSION, load_document
 
@@ -35,6 +36,16 @@ def strict_json(path) -> dict:
     return json.loads(path.read_text(), parse_constant=refuse)
 
 
+class WrongAttention(EmulatedAttention):
+    def fp8_attention(self, q, k, v, *, causal, softmax_scale):
+        return super().fp8_attention(q, k, v, causal=causal, softmax_scale=softmax_scale) * 1.5
+
+
+class CrashingAttention(EmulatedAttention):
+    def fp8_attention(self, q, k, v, *, causal, softmax_scale):
+        raise RuntimeError("kernel launch failed")
+
+
 class WrongBackend(EmulatedBackend):
     """Ranks itself above every backend, then returns 1.5x the right answer (and so 1.5x gradients)."""
 
@@ -49,6 +60,9 @@ class WrongBackend(EmulatedBackend):
     def grouped_mm(self, A, B_t, offs, recipe):
         return super().grouped_mm(A, B_t, offs, recipe) * 1.5
 
+    def attention(self):
+        return WrongAttention
+
 
 class CrashingBackend(EmulatedBackend):
     name = "crashing"
@@ -57,6 +71,9 @@ class CrashingBackend(EmulatedBackend):
         raise RuntimeError("kernel launch failed")
 
     grouped_mm = linear
+
+    def attention(self):
+        return CrashingAttention
 
 
 class Plugin:
@@ -306,6 +323,8 @@ def test_parity_fails_when_a_backend_is_wrong_or_crashes(capsys, plugin_backend,
     assert "failures:" in out
     rows = [r for r in strict_json(path)["results"] if r["backend"] == plugin_backend and r["status"] != "skipped"]
     assert rows and all(r["status"] in ("fail", "error") and r["reason"] for r in rows)
+    # Its attention too: a plugin's attention kernels are compared as any backend's (the registry's).
+    assert any(r["op"] == "attention" for r in rows)
     if plugin_backend == "wrong":  # 1.5x the answer: ~6 dB against fp32 and against the emulation
         assert all(not c["passed"] for r in rows for c in r["checks"])
     else:

@@ -10,16 +10,9 @@ ops (``Fp8Backend.fp8_gemm_ops``); the TorchTitan adapters add them to the save 
 
 from __future__ import annotations
 
-import sys
-
-import torch
-
 from .registry import backends
 
 __all__ = ["attention_save_ops", "fp8_gemm_save_ops"]
-
-_TURBO_ATTENTION_OPS = ("attention_aiter_forward_impl", "attention_aiter_varlen_forward_impl")
-"""Primus-Turbo's bf16 attention forward custom ops (``kernels/attention/attention_aiter_impl.py``)."""
 
 
 def fp8_gemm_save_ops() -> frozenset:
@@ -32,14 +25,11 @@ def fp8_gemm_save_ops() -> frozenset:
 
 
 def attention_save_ops() -> frozenset:
-    """The forward ops of the attention routes (titan_primus.attention): saved like TorchTitan's
-    own attention ops (flex, SDPA and varlen are in its save lists), so no attention runs again
-    in backward. The FP8 attention ops always; Primus-Turbo's bf16 ones where it is imported
-    (it is never imported off MI300-class GPUs)."""
-    from .backends import emulated_attention
-    from .backends.primus_turbo import attention_fp8
-
-    ops = {emulated_attention.FORWARD_OP, attention_fp8.FORWARD_OP}
-    if "primus_turbo.pytorch" in sys.modules:
-        ops |= {getattr(torch.ops.primus_turbo, name).default for name in _TURBO_ATTENTION_OPS}
+    """The forward ops of every registered backend's attention kernels (titan_primus.attention):
+    saved like TorchTitan's own attention ops (flex, SDPA and varlen are in its save lists), so
+    no attention runs again in backward."""
+    ops: set = set()
+    for backend in backends().values():
+        if (kernels := backend.attention()) is not None:
+            ops |= kernels.forward_ops()
     return frozenset(ops)

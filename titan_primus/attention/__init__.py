@@ -6,7 +6,24 @@ its inner-attention module calls :func:`attend` with bshd tensors. Off unless th
 ``attention`` / ``fp8_attention`` options are on (docs/attention.md).
 """
 
-from .route import AttentionRoute, AttentionSite, backend_route, fp8_attention_refusal, route_attention
+from .route import (
+    AttentionRoute,
+    AttentionSite,
+    attention_backends,
+    attention_refusal,
+    backend_route,
+    fp8_attention_refusal,
+    route_attention,
+)
 from .call import attend
 
-__all__ = ["AttentionRoute", "AttentionSite", "attend", "backend_route", "fp8_attention_refusal", "route_attention"]
+__all__ = [
+    "AttentionRoute",
+    "AttentionSite",
+    "attend",
+    "attention_backends",
+    "attention_refusal",
+    "backend_route",
+    "fp8_attention_refusal",
+    "route_attention",
+]

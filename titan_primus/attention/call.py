@@ -1,6 +1,6 @@
 """The attention call of a routed layer: bshd (B, L, H, D) tensors in, bshd out, whatever the
-backend. What it runs was decided at conversion (:class:`~.route.AttentionRoute`); nothing here
-looks at the device."""
+backend. What it runs was decided at conversion (:class:`~.route.AttentionRoute` holds the
+backend's kernels); nothing here looks at the device or the backend's name."""
 
 from __future__ import annotations
 
@@ -41,28 +41,17 @@ def attend(
     """Attention of bshd ``q`` (B, L, Hq, D) over ``k``/``v`` (B, L, Hkv, D / Dv) on ``route``'s
     backend, in ``q``'s dtype. ``scale``: the softmax scale (None: 1/sqrt(D));
     ``window``: (left, right) in flash-attention's convention; ``documents``: document masking."""
-    if route.fp8:
-        if route.backend == "primus_turbo":
-            from ..backends.primus_turbo.attention_fp8 import fp8_attention
-
-            out = fp8_attention(_bf16(q), _bf16(k), _bf16(v), causal=causal, softmax_scale=scale)
-        else:
-            from ..backends.emulated_attention import fp8_attention
-
-            out = fp8_attention(
-                _bf16(q), _bf16(k), _bf16(v), causal=causal, softmax_scale=scale, fp8_dtype=route.fp8_dtype
-            )
-        return out.to(q.dtype)
-    if route.backend != "primus_turbo":
+    kernels = route.kernels
+    if kernels is None:
         raise ValueError(f"titan-primus: {route.fqn} has no attention backend to call: {route.describe()}")
-    from ..backends.primus_turbo.attention_bf16 import flash_attention
-
+    if route.fp8:
+        return kernels.fp8_attention(_bf16(q), _bf16(k), _bf16(v), causal=causal, softmax_scale=scale).to(q.dtype)
     B, L = q.shape[:2]
     if documents is None:  # one sequence per batch element
         cu_seqlens, longest = torch.arange(0, (B + 1) * L, L, dtype=torch.int32, device=q.device), L
     else:
         cu_seqlens, longest = documents
-    out = flash_attention(
+    out = kernels.flash_attention(
         _bf16(q).flatten(0, 1),
         _bf16(k).flatten(0, 1),
         _bf16(v).flatten(0, 1),
@@ -71,6 +60,5 @@ def attend(
         softmax_scale=scale,
         causal=causal,
         window=window,
-        settings=route.kernel_settings,
     )
     return out.unflatten(0, (B, L)).to(q.dtype)

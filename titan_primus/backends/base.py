@@ -16,7 +16,7 @@ import torch
 from ..device import DeviceProfile
 from ..recipes import Fp8Recipe
 
-__all__ = ["Op", "OPS", "Verdict", "Fp8Backend", "TensorParallelShards", "kept_for_gradients"]
+__all__ = ["AttentionKernels", "Op", "OPS", "Verdict", "Fp8Backend", "TensorParallelShards", "kept_for_gradients"]
 
 Op = Literal["linear", "grouped_mm"]
 OPS: tuple[Op, ...] = ("linear", "grouped_mm")
@@ -64,8 +64,52 @@ class TensorParallelShards:
     grad_output_dim: int | None
 
 
+class AttentionKernels(ABC):
+    """A backend's attention capability, built at conversion for one device and kept by each
+    route (:class:`titan_primus.attention.AttentionRoute`): whatever the kernels need besides the
+    tensors (formats, settings read from the environment) is read here, once, never per call.
+    Tensors are bf16, bshd (B, L, H, D) for FP8 attention, packed (T, H, D) for flash attention."""
+
+    fp8: ClassVar[bool] = False
+    """Provides FP8 attention: Primus-Turbo's definition (``flash_attn_fp8_func``, blockwise 64),
+    whose rules are :func:`titan_primus.attention.fp8_attention_refusal`."""
+    bf16: ClassVar[bool] = False
+    """Provides bf16 flash attention (causal, full, windows, packed documents)."""
+    performance_path: ClassVar[bool] = True
+    """False for a reference implementation (the emulation): bench times it only on a CPU."""
+
+    def __init__(self, device: DeviceProfile, fp8: bool):
+        self.fp8_format: torch.dtype | None = device.e4m3 if fp8 else None
+        """The e4m3 format FP8 attention quantizes to (the device's: FNUZ on gfx942)."""
+
+    @classmethod
+    def forward_ops(cls) -> frozenset:
+        """The ops (``torch._ops.OpOverload``) whose outputs are these kernels' forward results:
+        selective activation checkpointing saves them (titan_primus.checkpointing). Ops whose
+        library is not imported are left out. Default: none."""
+        return frozenset()
+
+    @staticmethod
+    def bf16_refusal(head_dims: tuple[int, int] | None) -> str | None:
+        """Why the bf16 kernels cannot take these (query/key, value) head dims, if so."""
+        return None
+
+    def fp8_attention(self, q, k, v, *, causal: bool, softmax_scale: float | None) -> torch.Tensor:
+        """FP8 attention of q (B, L, Hq, D) over k, v (B, L, Hkv, D / Dv): (B, L, Hq, Dv) bf16,
+        differentiable; ``softmax_scale`` None is D ** -0.5."""
+        raise NotImplementedError(f"{type(self).__name__} has no FP8 attention")
+
+    def flash_attention(
+        self, q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, *, softmax_scale, causal: bool, window
+    ) -> torch.Tensor:
+        """bf16 attention of packed (T, Hq, D) ``q`` over (T, Hkv, D / Dv) ``k``/``v``, sequences
+        at the int32 ``cu_seqlens`` (the longest ``max_seqlen``); ``window`` (left, right) in
+        flash-attention's convention."""
+        raise NotImplementedError(f"{type(self).__name__} has no bf16 flash attention")
+
+
 class Fp8Backend(ABC):
-    """One FP8 implementation of the two ops."""
+    """One FP8 implementation of the two GEMM ops, and optionally of attention (:meth:`attention`)."""
 
     name: ClassVar[str]
     tensor_parallel_scales: ClassVar[bool] = False
@@ -118,6 +162,12 @@ class Fp8Backend(ABC):
         """TorchTitan's ``GroupedExperts._grouped_mm`` contract, with autograd: A [R, K],
         B_t [E, K, N], offs int32 cumulative end offsets [E], groups of any size (empty ones
         included); rows past offs[-1] are zero."""
+
+    def attention(self) -> type[AttentionKernels] | None:
+        """This backend's attention kernels (a class: its ``fp8`` and ``bf16`` say what it
+        provides; routing builds one per device), or None: attention layers are never routed
+        to it. Default: none."""
+        return None
 
     def group_alignment(self, recipe: Fp8Recipe) -> int | None:
         """The multiple of rows this backend's grouped-GEMM kernels need every token group

@@ -258,6 +258,11 @@ class EmulatedBackend(Fp8Backend):
     def bit_exact_with_emulation(self, op: Op, recipe: Fp8Recipe) -> bool:
         return True  # it is the emulation
 
+    def attention(self):
+        from .emulated_attention import EmulatedAttention
+
+        return EmulatedAttention
+
     def fp8_gemm_ops(self) -> frozenset:
         return GEMM_OPS
 

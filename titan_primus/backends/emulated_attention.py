@@ -34,7 +34,9 @@ import math
 
 import torch
 
-__all__ = ["ATTENTION_BLOCK", "FORWARD_OP", "check_fp8_attention_inputs", "fp8_attention"]
+from .base import AttentionKernels
+
+__all__ = ["ATTENTION_BLOCK", "FORWARD_OP", "EmulatedAttention", "check_fp8_attention_inputs", "fp8_attention"]
 
 # FIXED_BLOCK_M == FIXED_BLOCK_N (attention_kernel.py): the tiles, and the Q/K/V scale blocks.
 ATTENTION_BLOCK = 64
@@ -324,3 +326,18 @@ def fp8_attention(
     if softmax_scale is None:
         softmax_scale = q.shape[-1] ** (-0.5)
     return _forward_op(q, k, v, causal, float(softmax_scale), fp8_dtype)[0]
+
+
+class EmulatedAttention(AttentionKernels):
+    """The emulated backend's attention: Primus-Turbo's FP8 attention in the device's format;
+    bf16 attention stays TorchTitan's own (there is nothing to emulate)."""
+
+    fp8 = True
+    performance_path = False  # float64 dot products and a Python loop over 64-token blocks
+
+    @classmethod
+    def forward_ops(cls):
+        return frozenset({FORWARD_OP})
+
+    def fp8_attention(self, q, k, v, *, causal, softmax_scale):
+        return fp8_attention(q, k, v, causal=causal, softmax_scale=softmax_scale, fp8_dtype=self.fp8_format)

@@ -16,7 +16,7 @@ import torch
 
 from .. import __version__, registry
 from ..adapter_import import installed_version, unsupported_torchtitan
-from ..attention import AttentionSite, fp8_attention_refusal, route_attention
+from ..attention import AttentionSite, route_attention
 from ..backends.base import OPS
 from ..backends.primus_turbo.release import describe_build
 from ..device import DeviceProfile, detect_device, device_profile
@@ -61,17 +61,6 @@ def why_not(backend, op: str, recipe: str, profile: DeviceProfile, k: int | None
 ATTENTION_RECIPE = "fp8_blockwise64"
 """FP8 attention's one definition (``Float8QuantConfig(BLOCKWISE, block_size=64)``): the recipe
 field of parity's and bench's FP8 attention rows."""
-
-
-def attention_why_not(backend: str, profile: DeviceProfile, site: AttentionSite, fp8: bool) -> str:
-    """Why ``backend`` (``primus_turbo`` or ``emulated``) cannot run ``site``'s attention, FP8 or
-    bf16, on ``profile`` ("" when it can)."""
-    if backend == "emulated" and not fp8:
-        return "unsupported: the emulation has FP8 attention only (bf16 attention stays TorchTitan's own)"
-    if backend != "emulated" and not (available := registry.get_backend(backend).availability(profile)):
-        return f"unavailable: {available.reason}"
-    refusal = fp8_attention_refusal(site) if fp8 else None
-    return f"unsupported: {refusal}" if refusal else ""
 
 
 def describe_error(e: Exception) -> str:

@@ -103,6 +103,11 @@ class PrimusTurboBackend(Fp8Backend):
             )
         return Verdict.yes()
 
+    def attention(self):
+        from .attention import TurboAttention
+
+        return TurboAttention
+
     def execution_paths(self) -> dict[str, str] | None:
         """How each op runs (None when Primus-Turbo is not usable)."""
         if isinstance(self._api, str):

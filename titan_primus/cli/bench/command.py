@@ -40,10 +40,10 @@ import torch
 import torch.nn.functional as F
 
 from ... import registry
-from ...attention import AttentionSite, attend, backend_route
+from ...attention import AttentionSite, attend, attention_refusal, backend_route
 from ...device import DeviceProfile, detect_device
 from ...numerics import sdpa
-from ..doctor import ATTENTION_RECIPE, attention_why_not, describe_error, environment, why_not
+from ..doctor import ATTENTION_RECIPE, describe_error, environment, why_not
 from ..progress import progress
 from .model_shapes import ARCHITECTURES, AttentionHeads
 from .ep_traffic import ep_traffic_rows, render_ep_traffic
@@ -379,8 +379,12 @@ def run_attention_bench(
         for backend, recipe, fp8 in _ATTENTION_PATHS:
             row = _row(shape, backend, recipe)
             rows.append(row)
-            row["reason"] = attention_why_not(backend, profile, shape.site(), fp8)
-            if not row["reason"] and backend == "emulated" and device.type != "cpu":
+            row["reason"] = attention_refusal(backend, profile, shape.site(), fp8=fp8)
+            if (
+                not row["reason"]
+                and not registry.get_backend(backend).attention().performance_path
+                and device.type != "cpu"
+            ):
                 row["reason"] = _EMULATION_ON_GPU
             if row["reason"]:
                 continue

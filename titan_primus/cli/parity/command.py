@@ -40,10 +40,10 @@ from itertools import combinations
 import torch
 
 from ... import registry
-from ...attention import AttentionSite, attend, backend_route, route_attention
+from ...attention import AttentionSite, attend, attention_backends, attention_refusal, backend_route, route_attention
 from ...device import DeviceProfile, device_profile
 from ..progress import progress
-from ..doctor import ATTENTION_RECIPE, attention_why_not, describe_error, environment, resolve_profile, why_not
+from ..doctor import ATTENTION_RECIPE, describe_error, environment, resolve_profile, why_not
 from ...numerics import (
     ATTENTION_QUANTITIES,
     E4M3_BAR_DB,
@@ -255,8 +255,6 @@ QUICK_CASES = (
         why="an empty group and rows past offs[-1]",
     ),
 )
-
-ATTENTION_BACKENDS = (ORACLE, "primus_turbo")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -526,7 +524,10 @@ def _run_attention_case(case: AttentionCase, profile: DeviceProfile) -> list[Row
     reference = case.run(inputs, None, profile)
     route = route_attention(case.name, case.site(), device=profile, backend="auto", bf16=False, fp8=True)
     rows, outputs = [], []
-    for backend in ATTENTION_BACKENDS:
+    # A reference implementation (the emulation) first: the others are compared with it too.
+    for backend in sorted(
+        attention_backends(), key=lambda name: registry.get_backend(name).attention().performance_path
+    ):
         row = Row(
             case.op,
             ATTENTION_RECIPE,
@@ -537,7 +538,7 @@ def _run_attention_case(case: AttentionCase, profile: DeviceProfile) -> list[Row
             route.fp8 and route.backend == backend,
         )
         rows.append(row)
-        row.reason = attention_why_not(backend, profile, case.site(), fp8=True)
+        row.reason = attention_refusal(backend, profile, case.site(), fp8=True)
         if row.reason:
             continue
         row.definition = "primus_turbo"  # the emulation's is Primus-Turbo's

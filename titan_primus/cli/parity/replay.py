@@ -45,8 +45,6 @@ def _for_backend(record: GemmRecord, backend) -> GemmRecord | str:
     taken = backend.takes_gathered_fp8_weight(record.recipe, record.op)
     if not taken:
         return f"the weight was captured as FSDP2 gathered it, in FP8, and {taken.reason}"
-    if backend.name == "emulated":
-        return record
     rebuilt = backend.gathered_weight(
         weight.fp8_data(), weight.scale(), weight.dtype, record.recipe, weight._source_dtype
     )

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 
+from ... import registry
 from .verdicts import Verdict, curve_gaps, finite_problems, grad_norm_spikes, identical, median_tps, peak_memory
 
 __all__ = ["compare_with_baseline", "fp8_engaged", "judge"]
@@ -124,12 +125,20 @@ def _attention_backends(routed: list[dict]) -> str:
     return ", ".join(names) or "titan-primus's backends"
 
 
+def _has_bf16_attention(backend: str | None) -> bool:
+    """Whether ``backend`` (the one the run expects) provides bf16 attention, which the
+    ``attention`` option routes every decoder layer to (Primus-Turbo)."""
+    found = registry.backends().get(backend) if backend else None
+    kernels = found.attention() if found is not None else None
+    return kernels is not None and kernels.bf16
+
+
 def _attention_problems(routing: dict, expected: str | None, then: dict | None) -> list[str]:
     """With the attention options on: on Primus-Turbo's device, attention that stayed TorchTitan's
     for want of it; with a baseline, every layer it routed (and FP8 where it ran FP8) routed still."""
     attention, problems = routing.get("attention", {}), []
-    if attention and expected == "primus_turbo" and not any(a["backend"] for a in attention.values()):
-        problems.append(f"no attention layer runs on Primus-Turbo: {next(iter(attention.values()))['reason']}")
+    if attention and _has_bf16_attention(expected) and not any(a["backend"] for a in attention.values()):
+        problems.append(f"no attention layer runs on {expected}: {next(iter(attention.values()))['reason']}")
     if then is not None:
         lost = [
             fqn
