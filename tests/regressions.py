@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-import titan_primus.scaling as scaling
+import titan_primus.fp8.scaling as scaling
 from titan_primus.backends.base import Verdict
 from titan_primus.backends.emulated import EmulatedBackend
 from titan_primus.hookspec import hookimpl

@@ -7,7 +7,7 @@ import torch
 import torch._inductor.config
 from closeness import assert_bitwise, assert_sqnr_at_least
 
-from titan_primus.backends.emulated_attention import fp8_attention
+from titan_primus.backends.emulated.attention import fp8_attention
 
 FP8_DTYPES = [torch.float8_e4m3fnuz, torch.float8_e4m3fn]  # gfx942, gfx950
 SHAPES = [(1, 128, 2, 1, 32), (2, 128, 4, 2, 64)]  # (B, L, Hq, Hkv, D): MHA-like and GQA 2:1

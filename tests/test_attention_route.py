@@ -24,7 +24,7 @@ from titan_primus.attention import (
     route_attention,
 )
 from titan_primus.backends.emulated import EmulatedBackend
-from titan_primus.backends.emulated_attention import EmulatedAttention
+from titan_primus.backends.emulated.attention import EmulatedAttention
 from titan_primus.device import device_profile
 from titan_primus.hookspec import hookimpl
 from titan_primus.checkpointing import attention_save_ops
@@ -220,7 +220,7 @@ def test_selective_ac_saves_the_attention_ops():
     from test_activation_checkpointing import gemms_per_step
     from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 
-    from titan_primus.backends.emulated_attention import FORWARD_OP
+    from titan_primus.backends.emulated.attention import FORWARD_OP
     from titan_primus.torchtitan import Fp8SelectiveAC
 
     assert FORWARD_OP in attention_save_ops()

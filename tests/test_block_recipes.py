@@ -12,7 +12,7 @@ import torch
 
 import titan_primus as tp
 from titan_primus.backends import EmulatedBackend, TorchAOBackend
-from titan_primus.block_scaling import cells_of, quantize_blocks
+from titan_primus.fp8.blocks import cells_of, quantize_blocks
 from titan_primus.numerics import make_offsets, reference_grouped, reference_linear, run_grouped, run_linear, sqnrs
 from titan_primus.conversion import check_parallelism
 from titan_primus.device import device_profile

@@ -16,7 +16,7 @@ from titan_primus import cli
 from titan_primus.cli.bench import command as bench
 from titan_primus.cli.parity import command as parity
 from titan_primus.backends.emulated import EmulatedBackend
-from titan_primus.backends.emulated_attention import EmulatedAttention
+from titan_primus.backends.emulated.attention import EmulatedAttention
 from titan_primus.hookspec import hookimpl
 from titan_primus.cli.report import SCHEMA_VERSION, load_document
 
@@ -279,7 +279,7 @@ def test_parity_quick_runs_fp8_attention_on_the_emulation_against_fp32_sdpa(resu
 
 
 def test_parity_fails_fp8_attention_that_returns_nan(monkeypatch):
-    from titan_primus.backends import emulated_attention
+    from titan_primus.backends.emulated import attention as emulated_attention
 
     real = emulated_attention.fp8_attention
 

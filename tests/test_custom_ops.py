@@ -9,8 +9,8 @@ import pytest
 import torch
 from repo_root import ROOT
 
-import titan_primus.backends.emulated_attention  # noqa: F401  (registers its ops)
-import titan_primus.backends.emulated_gemm  # noqa: F401
+import titan_primus.backends.emulated.attention  # noqa: F401  (registers its ops)
+import titan_primus.backends.emulated.gemm_ops  # noqa: F401
 
 OPS = torch.ops.titan_primus
 

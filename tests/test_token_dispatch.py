@@ -24,8 +24,8 @@ from torchtitan.models.common.token_dispatcher import (
 )
 
 import titan_primus as tp
-from titan_primus.block_scaling import cells_of, quantize_blocks
-from titan_primus.block_scaling import dequantize as dequantize_blocks
+from titan_primus.fp8.blocks import cells_of, quantize_blocks
+from titan_primus.fp8.blocks import dequantize as dequantize_blocks
 from titan_primus.device import device_profile
 from titan_primus.grouping import group_ids
 from titan_primus.numerics import make_offsets, reference_grouped, run_grouped, sqnr
@@ -36,7 +36,7 @@ from titan_primus.recipes import (
     with_fp8_dispatch,
     with_token_groups_padded_to,
 )
-from titan_primus.scaling import fake_quantize, quantize_per_group
+from titan_primus.fp8.scaling import fake_quantize, quantize_per_group
 from titan_primus.token_dispatch import _pack, _unpack, fp8_copy, fp8_dispatch_cast, packed_row_bytes
 from titan_primus.torchtitan.token_dispatch import fp8_dispatcher_config
 

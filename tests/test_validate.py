@@ -424,7 +424,7 @@ def test_the_injected_casts_are_the_regressions_they_name():
     regression changes the FP8 codes the way its name says, and nothing else."""
     import regressions
 
-    import titan_primus.scaling as scaling
+    import titan_primus.fp8.scaling as scaling
 
     x = torch.randn(4096, generator=torch.Generator().manual_seed(0)) * 3
     scale = torch.finfo(torch.float8_e4m3fn).max / x.abs().max()

@@ -11,7 +11,7 @@ gradient's SQNR against fp32 change.
 
 import torch
 
-from titan_primus import block_scaling
+from titan_primus.fp8 import blocks
 from titan_primus.backends.emulated import EmulatedBackend
 from titan_primus.numerics import make_offsets, reference_grouped, run_grouped, sqnr
 from titan_primus.token_dispatch import DispatchCast, fp8_copy
@@ -40,9 +40,9 @@ def forward_copy(A: torch.Tensor, recipe) -> torch.Tensor:
     """The tokens as the recipe's forward activation cast leaves them, dequantized."""
     cast = recipe.output.a
     if cast.granularity == "block" and recipe.block_scale.kind == "fp32":
-        cells = block_scaling.cells_of(tuple(A.shape), cast.block, A.device)
-        data, scale_inv = block_scaling.quantize_blocks(A, recipe.dtype(cast), recipe.block_scale, cells)
-        return block_scaling.dequantize(data, scale_inv, cells).to(A.dtype)
+        cells = blocks.cells_of(tuple(A.shape), cast.block, A.device)
+        data, scale_inv = blocks.quantize_blocks(A, recipe.dtype(cast), recipe.block_scale, cells)
+        return blocks.dequantize(data, scale_inv, cells).to(A.dtype)
     mx_rule = recipe.block_scale if cast.granularity == "block" else None
     return fp8_copy(A, DispatchCast(recipe.dtype(cast), recipe.pow2_scales, recipe.reciprocal_scales, mx_rule))
 

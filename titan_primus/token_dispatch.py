@@ -23,10 +23,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed._functional_collectives as funcol
 
-from . import block_scaling
+from .fp8 import blocks
 from .grouping import rows_known
 from .recipes import BlockScaleRule, Fp8Recipe
-from .scaling import dequantize, quantize
+from .fp8.scaling import dequantize, quantize
 
 __all__ = ["DispatchCast", "fp8_dispatch_cast", "fp8_copy", "fp8_all_to_all", "packed_row_bytes"]
 
@@ -56,7 +56,7 @@ class DispatchCast:
             return x.new_empty(x.shape, dtype=self.fp8_dtype), x.new_empty((0, scale_width), dtype=scale_dtype)
         if self.mx_rule is None:
             return quantize(x, self.fp8_dtype, 1, self.pow2)
-        data, scale_inv = block_scaling.quantize_blocks(x, self.fp8_dtype, self.mx_rule, self._tiles(x))
+        data, scale_inv = blocks.quantize_blocks(x, self.fp8_dtype, self.mx_rule, self._tiles(x))
         return data, (torch.frexp(scale_inv)[1] + (_E8M0_BIAS - 1)).to(torch.uint8)
 
     def dequantize(self, data: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -67,10 +67,10 @@ class DispatchCast:
         if self.mx_rule is None:
             return dequantize(data, scales, self.reciprocal).to(dtype)
         scale_inv = torch.ldexp(torch.ones_like(scales, dtype=torch.float32), scales.to(torch.int32) - _E8M0_BIAS)
-        return block_scaling.dequantize(data, scale_inv, self._tiles(data)).to(dtype)
+        return blocks.dequantize(data, scale_inv, self._tiles(data)).to(dtype)
 
-    def _tiles(self, x: torch.Tensor) -> block_scaling.BlockCells:
-        return block_scaling.cells_of(tuple(x.shape), (1, _MX_TILE), x.device)
+    def _tiles(self, x: torch.Tensor) -> blocks.BlockCells:
+        return blocks.cells_of(tuple(x.shape), (1, _MX_TILE), x.device)
 
 
 _MX_TILE = 32

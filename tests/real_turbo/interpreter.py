@@ -17,7 +17,7 @@ interpreter and the hardware's semantics:
 - ``tl.fma`` is a multiply then an add, rounded twice, in the interpreter; a GPU fuses them
   (one rounding; the FP8 attention backward accumulates dK and dV with it). fp32 operands are
   fused here through float64, where their product is exact (the emulation does the same:
-  titan_primus/backends/emulated_attention.py).
+  titan_primus/backends/emulated/attention.py).
 """
 
 from __future__ import annotations

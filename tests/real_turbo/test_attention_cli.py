@@ -36,7 +36,7 @@ def test_primus_turbos_fp8_backward_is_wrong_for_gqa_with_unequal_head_dims_and_
     from titan_primus import sqnr
 
     from titan_primus.attention import fp8_attention_refusal
-    from titan_primus.backends import emulated_attention
+    from titan_primus.backends.emulated import attention as emulated_attention
     from titan_primus.backends.primus_turbo import attention_fp8
     from titan_primus.numerics import run_attention
 

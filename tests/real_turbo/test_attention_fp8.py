@@ -1,5 +1,5 @@
 """FP8 attention against Primus-Turbo's own Triton kernel (flash_attn_fp8_func, blockwise 64):
-the emulation (titan_primus/backends/emulated_attention.py) reproduces it, and titan-primus's
+the emulation (titan_primus/backends/emulated/attention.py) reproduces it, and titan-primus's
 opaque op around Primus-Turbo (backends/primus_turbo/attention_fp8.py) is it, bit for bit."""
 
 import pytest
@@ -8,7 +8,7 @@ from closeness import assert_bitwise, assert_sqnr_at_least
 from test_attention_fp8_emulated import _grads
 
 from real_turbo.conftest import ARCH, TURBO
-from titan_primus.backends.emulated_attention import fp8_attention as emulated_fp8_attention
+from titan_primus.backends.emulated.attention import fp8_attention as emulated_fp8_attention
 from titan_primus.backends.primus_turbo.attention_fp8 import fp8_attention as turbo_fp8_attention
 
 FP8_DTYPE = {"gfx942": torch.float8_e4m3fnuz, "gfx950": torch.float8_e4m3fn}[ARCH]

@@ -11,8 +11,8 @@ import titan_primus as tp
 from real_turbo.conftest import ARCH, RECIPES, TURBO
 from closeness import fraction_beyond
 from real_turbo.test_same_as_turbo import _grads
-from titan_primus.block_scaling import cells_of, quantize_blocks
-from titan_primus.scaling import quantize
+from titan_primus.fp8.blocks import cells_of, quantize_blocks
+from titan_primus.fp8.scaling import quantize
 
 # Measured: at most 4.07 in 100,000 elements more than one bf16 ulp apart (gfx950; gfx942 3.05),
 # the same at every build (2026-12-01). docs/recipes.md and docs/measurements.md state this bound beside that figure.

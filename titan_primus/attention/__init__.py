@@ -6,15 +6,8 @@ its inner-attention module calls :func:`attend` with bshd tensors. Off unless th
 ``attention`` / ``fp8_attention`` options are on (docs/attention.md).
 """
 
-from .route import (
-    AttentionRoute,
-    AttentionSite,
-    attention_backends,
-    attention_refusal,
-    backend_route,
-    fp8_attention_refusal,
-    route_attention,
-)
+from .site import AttentionSite, fp8_attention_refusal
+from .route import AttentionRoute, attention_backends, attention_refusal, backend_route, route_attention
 from .call import attend
 
 __all__ = [

@@ -18,12 +18,16 @@ as the GEMMs: the backend named, or under ``auto`` the highest-ranked one on the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from ..backends.base import AttentionKernels, Fp8Backend
 from ..device import DeviceProfile
 from ..registry import backends, get_backend
+from .site import AttentionSite, fp8_attention_refusal
+
+if TYPE_CHECKING:  # importing titan_primus.backends imports every built-in backend: only lazily
+    from ..backends.base import AttentionKernels, Fp8Backend
 
 __all__ = [
     "AttentionRoute",
@@ -34,37 +38,6 @@ __all__ = [
     "fp8_attention_refusal",
     "route_attention",
 ]
-
-
-@dataclass(frozen=True)
-class AttentionSite:
-    """What one layer's attention computes, as an adapter reads it off TorchTitan's model."""
-
-    causal: bool | None = True
-    """None: each call says (SDPA's ``is_causal``; Flux passes False)."""
-    documents: bool = False
-    """Document masking: packed documents attend only within themselves (cu_seqlens)."""
-    window: tuple[int, int] = (-1, -1)
-    """Sliding window (left, right) in flash-attention's convention; (-1, -1): none."""
-    head_dims: tuple[int, int] | None = None
-    """(query/key, value) head dimensions, where the adapter knows them."""
-    grouped: bool = False
-    """Grouped-query attention: fewer key/value heads than query heads."""
-    dropout: float = 0.0
-    unmappable: str | None = None
-    """The adapter's reason Primus-Turbo cannot compute this layer's attention as TorchTitan does
-    (a BlockMask with a score_mod, an LSE epilogue, context parallelism, ...), if any."""
-
-    def describe(self) -> str:
-        if self.causal is None:
-            mask = "causal or full, as each call's is_causal says"
-        elif self.documents:
-            mask = "document-causal" if self.causal else "document"
-        else:
-            mask = "causal" if self.causal else "full"
-        if self.window != (-1, -1):
-            mask += f", window {self.window}"
-        return mask
 
 
 @dataclass(frozen=True)
@@ -114,33 +87,6 @@ def attention_refusal(backend: str, device: DeviceProfile, site: AttentionSite, 
         return f"unavailable: {available.reason}"
     refusal = fp8_attention_refusal(site) if fp8 else kernels.bf16_refusal(site.head_dims)
     return f"unsupported: {refusal}" if refusal else ""
-
-
-def fp8_attention_refusal(site: AttentionSite) -> str | None:
-    """Why Primus-Turbo's FP8 attention cannot compute ``site`` as defined, or None where it can.
-    Each rule is read in Primus-Turbo's sources (``ops/attention/flash_attn_interface.py``,
-    ``kernels/attention/attention_triton_impl.py``); the sequence length, unknown at conversion,
-    is checked on each call (a multiple of 64: ``check_fp8_attention_inputs``)."""
-    if site.unmappable:
-        return site.unmappable
-    if site.documents:
-        return (
-            "document masking needs varlen attention, and Primus-Turbo's FP8 attention has none "
-            "(flash_attn_fp8_func takes no cu_seqlens)"
-        )
-    if site.window != (-1, -1):
-        return f"sliding window {site.window}: Primus-Turbo's FP8 attention asserts window_size == (-1, -1)"
-    if site.dropout:
-        return f"dropout {site.dropout}: Primus-Turbo's FP8 backward ignores the forward's dropout"
-    if site.head_dims and any(d < 32 or d % 2 for d in site.head_dims):
-        return f"head dims {site.head_dims}: Primus-Turbo's FP8 backward needs even head dims of at least 32"
-    if site.grouped and site.head_dims and site.head_dims[0] != site.head_dims[1]:
-        return (
-            f"grouped-query attention with head dims {site.head_dims}: Primus-Turbo's FP8 backward computes dK and dV "
-            f"wrong there (found under the Triton interpreter at every build from v0.3.1 to v0.4.1.dev26: "
-            f"tests/real_turbo/test_attention_cli.py)"
-        )
-    return None
 
 
 def _attention_backend(device: DeviceProfile, requested: str) -> tuple[Fp8Backend | None, str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_map_only
 
-from ..scaling import dequantize
+from ..fp8.scaling import dequantize
 
 __all__ = ["Fp8GatheredWeight"]
 

@@ -10,7 +10,7 @@ import torch
 
 from ..backends.base import Op, Verdict
 from ..recipes import Fp8Recipe
-from ..scaling import amax_to_scale, quantize, scaled_cast
+from ..fp8.scaling import amax_to_scale, quantize, scaled_cast
 
 __all__ = ["Fp8AllGatherPlan", "fp8_all_gather_plan", "quantize_weight"]
 

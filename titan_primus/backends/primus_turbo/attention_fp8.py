@@ -21,7 +21,7 @@ import importlib
 
 import torch
 
-from ..emulated_attention import ATTENTION_BLOCK, check_fp8_attention_inputs
+from ..emulated.attention import ATTENTION_BLOCK, check_fp8_attention_inputs
 from .release import require_api
 
 __all__ = ["FORWARD_OP", "fp8_attention"]

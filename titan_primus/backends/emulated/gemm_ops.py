@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..grouping import group_ids
+from ...grouping import group_ids
 
 __all__ = ["GEMM_OPS", "emulated_fp8_grouped_mm", "emulated_fp8_mm"]
 

@@ -1,6 +1,6 @@
 """The emulated backend's block-scaled GEMMs (recipes ``mxfp8`` and ``blockwise``).
 
-Each operand is cast in its recipe's blocks (:mod:`titan_primus.block_scaling`), the payload
+Each operand is cast in its recipe's blocks (:mod:`titan_primus.fp8.blocks`), the payload
 times its cell's scale_inv is multiplied in float32, as the block-scaled kernels multiply FP8
 partial products by both operands' scales in float32. Every GEMM re-quantizes from the
 high-precision tensors (both upstreams do so for these recipes).
@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import torch
 
-from ..block_scaling import cells_of, dequantize, quantize_blocks
-from ..grouping import zero_trailing_rows
-from ..recipes import Fp8Recipe, OperandCast
-from .base import kept_for_gradients
-from .emulated_gemm import emulated_fp8_grouped_mm, emulated_fp8_mm
+from ...fp8.blocks import cells_of, dequantize, quantize_blocks
+from ...grouping import zero_trailing_rows
+from ...recipes import Fp8Recipe, OperandCast
+from ..base import kept_for_gradients
+from .gemm_ops import emulated_fp8_grouped_mm, emulated_fp8_mm
 
 __all__ = ["blocked_linear", "blocked_grouped_mm"]
 

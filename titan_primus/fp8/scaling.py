@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from .recipes import Fp8Recipe, OperandCast
+from ..recipes import Fp8Recipe, OperandCast
 
 __all__ = [
     "AMAX_EPS",

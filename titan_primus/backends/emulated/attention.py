@@ -34,7 +34,8 @@ import math
 
 import torch
 
-from .base import AttentionKernels
+from ...attention.site import AttentionSite, fp8_attention_refusal
+from ..base import AttentionKernels
 
 __all__ = ["ATTENTION_BLOCK", "FORWARD_OP", "EmulatedAttention", "check_fp8_attention_inputs", "fp8_attention"]
 
@@ -302,8 +303,6 @@ def check_fp8_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         raise ValueError(f"FP8 attention needs query heads a multiple of kv heads; got {q.shape[2]} and {k.shape[2]}")
     # The head-dim rules routing applies where an adapter reads them off the config, checked here
     # for every call (shapes only), so no layer reaches Primus-Turbo's asserts or its GQA bug.
-    from ..attention.route import AttentionSite, fp8_attention_refusal
-
     site = AttentionSite(head_dims=(q.shape[3], v.shape[3]), grouped=q.shape[2] != k.shape[2])
     refused = fp8_attention_refusal(site)
     if refused:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .recipes import BlockScaleRule
+from ..recipes import BlockScaleRule
 
 __all__ = ["BlockCells", "segment_keys", "cells_of", "block_amax", "quantize_blocks", "dequantize"]
 
