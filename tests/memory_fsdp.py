@@ -1,7 +1,7 @@
 """Run by test_memory.py under torchrun (2 ranks, gloo): a converted debug model under FSDP2 (bf16
 parameters, every transformer block resharded after its forward), one forward recording what
 autograd keeps for backward; once the forward is over, prints the bytes each rank keeps by kind
-(titan_primus.memory.kept_for_backward): copies of FP8 layers' weights, FP8 and other
+(titan_primus.diagnostics.memory.saved.kept_for_backward): copies of FP8 layers' weights, FP8 and other
 activations, and the storage of parameters (FSDP-managed: the root's, which FSDP2 keeps unsharded
 after its forward; the blocks' are freed) and buffers (RoPE caches).
 
@@ -22,7 +22,7 @@ from titan_primus.cpu_trainer.world import exit_without_teardown
 
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from titan_primus.memory import kept_for_backward, recording_saved_tensors
+from titan_primus.diagnostics.memory.saved import kept_for_backward, recording_saved_tensors
 from titan_primus.torchtitan import Float8Converter
 
 import titan_primus as tp

@@ -18,7 +18,7 @@ from titan_primus.cli.parity import command as parity
 from titan_primus.backends.emulated import EmulatedBackend
 from titan_primus.backends.emulated.attention import EmulatedAttention
 from titan_primus.hookspec import hookimpl
-from titan_primus.cli.report import SCHEMA_VERSION, load_document
+from titan_primus.diagnostics.results import SCHEMA_VERSION, load_document
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:

@@ -1,6 +1,6 @@
 """``titan-primus bench --memory`` on a CPU, ``report`` on its JSON, and the memory model it prints.
 
-The audit is titan_primus.memory.audit_layer (its properties: test_memory.py); here, what the
+The audit is titan_primus.diagnostics.memory.saved.audit_layer (its properties: test_memory.py); here, what the
 command measures, writes and derives. Here, without an MI300-class GPU, Primus-Turbo's rows are
 skipped; the audit runs on Primus-Turbo's own code in the real-code tier
 (tests/real_turbo/test_checkpointing_and_memory_audit.py)."""
@@ -14,8 +14,9 @@ import torch
 import titan_primus as tp
 from titan_primus import cli
 from titan_primus.cli.bench import memory_audit
-from titan_primus.cli.bench.memory_model import ATTENTION_PATHS, BF16, GemmMemory, attention_saved, estimate
-from titan_primus.cli.bench.model_shapes import ARCHITECTURES
+from titan_primus.diagnostics.memory import audit
+from titan_primus.diagnostics.memory.model import ATTENTION_PATHS, BF16, GemmMemory, attention_saved, estimate
+from titan_primus.diagnostics.model_shapes import ARCHITECTURES
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +70,8 @@ def test_bench_memory_models_attention_and_checks_the_emulation_against_its_save
 def test_the_attention_model_tells_the_emulation_from_primus_turbos_fp8_path():
     """The check compares tensor for tensor: the emulation keeps an (B, Hq, S) LSE and heads-first
     FP8 q/k/v, Primus-Turbo's op a (B, Hq, 2S) LSE/Delta buffer and bshd FP8 q/k/v."""
-    measured = memory_audit.emulated_attention_saved(tp.detect_device())
-    heads, seq = memory_audit.ATTENTION_AUDIT_HEADS, memory_audit.ATTENTION_AUDIT_SEQ
+    measured = audit.emulated_attention_saved(tp.detect_device())
+    heads, seq = audit.ATTENTION_AUDIT_HEADS, audit.ATTENTION_AUDIT_SEQ
 
     def modelled(path):
         return sorted((t.shape, t.element_bytes) for t in attention_saved(path, heads, seq, 1))
@@ -115,7 +116,7 @@ def test_gpu_peak_harness_runs_under_fsdp2_here():
     and backward under FSDP2 with an FP8 linear; the allocator peak exists only on a GPU (None
     here). The GPU figures themselves have not been measured (no GPU here)."""
     decision = tp.select_backend("linear", "tensorwise", "cpu", "emulated")
-    peak = memory_audit.blocks_peak(
+    peak = audit.blocks_peak(
         lambda x, w: decision.backend.linear(x, w, None, decision.recipe),
         torch.device("cpu"),
         blocks=2,
@@ -131,7 +132,7 @@ def test_selective_ac_model_keeps_what_each_policy_saves():
     """Llama3-8B at 8192 tokens: TorchTitan's alternation saves wqkv, w1 and w2 of its five GEMMs
     (6144 + 14336 + 4096 outputs per token, bf16), in bf16 and FP8 alike; saving every FP8 GEMM
     keeps wo and w3 too. DeepSeek-V3: the stock policy saves no grouped GEMM, the alternation half."""
-    from titan_primus.cli.bench.memory_model import SAC_POLICIES, selective_ac_rows
+    from titan_primus.diagnostics.memory.model import SAC_POLICIES, selective_ac_rows
 
     kept = {(r["model"], r["policy"]): r["kept_gemm_output_bytes"] for r in selective_ac_rows(8192, 1)}
     stock, save, alternate = (kept["Llama3-8B", p] for p in SAC_POLICIES)

@@ -12,7 +12,7 @@ from gemm_count import count_gemms_and_casts
 from helpers import make_offsets
 
 import titan_primus as tp
-from titan_primus.memory import recording_saved_tensors
+from titan_primus.diagnostics.memory.saved import recording_saved_tensors
 
 M, K, N = 96, 128, 256  # distinct, so a saved tensor's shape says what it is; whole 32/128 blocks
 OFFS = [32, 0, 48, 16]  # rows per expert (one empty), 16-aligned as the converter pads them; 16 trail

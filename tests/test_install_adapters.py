@@ -136,7 +136,8 @@ def test_a_symbol_torchtitan_moved_is_named_with_titan_primus_file_and_the_verif
 
 _STAND_IN = """
 import json, sys
-from titan_primus.cli.doctor import diagnose, render
+from titan_primus.cli.doctor import render
+from titan_primus.diagnostics.environment import diagnose
 try:
     import titan_primus.torchtitan
     error = None

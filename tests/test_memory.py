@@ -2,7 +2,7 @@
 layer's copy would stay resident at once: what FSDP exists to avoid), and activations are kept
 in one precision, FP8 where the backend's backward multiplies FP8 copies of them.
 
-Single ops here (titan_primus.memory.audit_layer: every backend, recipe, op, eager and compiled,
+Single ops here (titan_primus.diagnostics.memory.saved.audit_layer: every backend, recipe, op, eager and compiled,
 with the weight as FSDP2 hands it over, bf16 or all-gathered in FP8); converted debug models under
 2-rank FSDP2 in test_memory_fsdp below. Primus-Turbo's own code: tests/real_turbo/test_memory.py."""
 
@@ -14,7 +14,7 @@ from test_distributed import torchrun_script
 
 import titan_primus as tp
 from titan_primus.fsdp_fp8 import fp8_all_gather_plan
-from titan_primus.memory import AUDIT_SHAPES, audit_layer
+from titan_primus.diagnostics.memory.saved import AUDIT_SHAPES, audit_layer
 from titan_primus.recipes import RECIPE_NAMES
 
 COMPILED_RECIPES = ("tensorwise", "rowwise", "blockwise")  # compile time: the other recipes' paths are alike

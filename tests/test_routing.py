@@ -9,7 +9,7 @@ import torch
 import titan_primus as tp
 from titan_primus.backends import EmulatedBackend
 from titan_primus.checkpointing import fp8_gemm_save_ops
-from titan_primus.cli.doctor import diagnose
+from titan_primus.diagnostics.environment import diagnose
 from titan_primus.hookspec import hookimpl
 
 

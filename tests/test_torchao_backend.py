@@ -212,7 +212,7 @@ def test_torchao_mx_linear_keeps_no_weight_copy_and_pads_only_where_needed(x_dty
     """TorchAO's MX linear (its emulated mode on a CPU) takes one dtype for x and the weight and
     keeps both for backward: fp32 activations come in the weight's dtype (no fp32 copy of a bf16
     weight kept), and whole 32-row blocks are not padded (the input itself is kept)."""
-    from titan_primus.memory import kept_for_backward, recording_saved_tensors
+    from titan_primus.diagnostics.memory.saved import kept_for_backward, recording_saved_tensors
 
     decision = tp.select_backend("linear", "mxfp8", "cpu", "torchao")
     x = torch.randn(64, 128, dtype=x_dtype, requires_grad=True)

@@ -22,7 +22,7 @@ import torch
 from repo_root import ROOT
 
 from titan_primus.cli import build_parser
-from titan_primus.cli.report import load_document
+from titan_primus.diagnostics.results import load_document
 from titan_primus.cli.validate.baseline import BaselineMismatch, mismatches, refuse_mismatches
 from titan_primus.cli.validate.command import judge_document
 from titan_primus.cli.validate.report import render_validate_markdown

@@ -14,7 +14,7 @@ import torch
 from doubles import torchao_grouped_kernels
 
 import titan_primus as tp
-from titan_primus.memory import kept_for_backward, recording_saved_tensors
+from titan_primus.diagnostics.memory.saved import kept_for_backward, recording_saved_tensors
 
 
 def moe_block_kept(tokens: int = 512, dim: int = 256, hidden: int = 384, experts: int = 4) -> dict:

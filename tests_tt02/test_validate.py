@@ -14,7 +14,7 @@ import corrupt_backend  # tests/ (conftest puts it on the path)
 import pytest
 from repo_root import ROOT
 
-from titan_primus.cli.report import load_document
+from titan_primus.diagnostics.results import load_document
 from titan_primus.cli.validate.command import judge_document
 
 QUICK_STEPS = 20

@@ -1,5 +1,5 @@
 """Selective activation checkpointing keeps Primus-Turbo's FP8 GEMMs (TorchTitan 0.3's
-``Fp8SelectiveAC``), and the product's memory audit (``titan_primus.memory``, ``bench
+``Fp8SelectiveAC``), and the product's memory audit (``titan_primus.diagnostics.memory.saved``, ``bench
 --memory``) finds no weight copy on Primus-Turbo's own code: the main suite's tests
 (tests/test_activation_checkpointing.py, tests/test_memory.py) with Primus-Turbo."""
 
@@ -14,7 +14,7 @@ from titan_helpers import model_config
 import titan_primus as tp
 from real_turbo.conftest import ARCH, BUILD, NOT_RUN_HERE, one_arch
 from real_turbo.test_compile_and_memory import DISPATCHERS
-from titan_primus.memory import AUDIT_SHAPES, audit_layer
+from titan_primus.diagnostics.memory.saved import AUDIT_SHAPES, audit_layer
 from titan_primus.torchtitan import Float8Converter, Fp8SelectiveAC
 
 

@@ -67,7 +67,8 @@ def test_doctor_names_the_build():
         "v0.4.1.dev26": "0.4.1.dev26 (v0.4.0 + 26 commits, AMD rocm/primus v26.6)",
     }
     assert load_api().build == names[BUILD]
-    from titan_primus.cli.doctor import diagnose, render
+    from titan_primus.diagnostics.environment import diagnose
+    from titan_primus.cli.doctor import render
 
     assert f"Primus-Turbo {names[BUILD]} on {ARCH}" in render(diagnose(device=ARCH))
 

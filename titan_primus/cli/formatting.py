@@ -1,21 +1,11 @@
-"""What every command's output shares: Markdown tables that read in a terminal, output folders made
-up front, matplotlib for PNG files, and the one error a malformed results file raises."""
+"""What every command's output shares: Markdown tables that read in a terminal, and matplotlib for
+PNG files."""
 
 from __future__ import annotations
 
-from pathlib import Path
+from ..diagnostics.results import ResultsFileError
 
-__all__ = ["ResultsFileError", "markdown_table", "prepare_output", "pyplot"]
-
-
-class ResultsFileError(ValueError):
-    """A results file is missing, unreadable, or not in the documented schema."""
-
-
-def prepare_output(path: str | None) -> None:
-    """Create the parent folder of an output file up front, so a long run cannot end in a failed write."""
-    if path:
-        Path(path).expanduser().resolve().parent.mkdir(parents=True, exist_ok=True)
+__all__ = ["markdown_table", "pyplot"]
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:

@@ -43,13 +43,14 @@ from ... import registry
 from ...attention import AttentionSite, attend, attention_refusal, backend_route
 from ...device import DeviceProfile, detect_device
 from ...numerics import sdpa
-from ..doctor import ATTENTION_RECIPE, describe_error, environment, why_not
+from ...diagnostics.environment import ATTENTION_RECIPE, describe_error, environment, why_not
 from ..progress import progress
-from .model_shapes import ARCHITECTURES, AttentionHeads
+from ...diagnostics.model_shapes import ARCHITECTURES, AttentionHeads
 from .ep_traffic import ep_traffic_rows, render_ep_traffic
 from .fsdp_traffic import render_traffic, traffic_rows
 from .sentinel_cost import render_sentinel_cost, sentinel_cost
-from ..report import document, markdown_table, prepare_output, skip_lines, write_document
+from ...diagnostics.results import document, prepare_output, write_document
+from ..report import markdown_table, skip_lines
 from ...recipes import with_token_groups_padded_to
 from ...routing import RoutingDecision, select_backend
 

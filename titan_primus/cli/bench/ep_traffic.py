@@ -11,13 +11,13 @@ bf16: 2 bytes per element. FP8 token dispatch changes the forward dispatch only:
 its FP8 payload (1 byte per element) plus its scales (rowwise: one float32; mxfp8: one E8M0
 byte per 32 elements). Token counts (a few bytes per expert) are left out.
 
-Shapes: :mod:`titan_primus.cli.bench.model_shapes` (TorchTitan 0.3.0's DeepSeek-V3-671B: 58 MoE
+Shapes: :mod:`titan_primus.diagnostics.model_shapes` (TorchTitan 0.3.0's DeepSeek-V3-671B: 58 MoE
 layers, dim 7168, 256 experts, top-8).
 """
 
 from __future__ import annotations
 
-from .model_shapes import ARCHITECTURES
+from ...diagnostics.model_shapes import ARCHITECTURES
 
 __all__ = ["ep_traffic_rows", "render_ep_traffic"]
 

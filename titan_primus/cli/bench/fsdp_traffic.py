@@ -13,7 +13,7 @@ and expert block, router gates kept in high precision); embeddings, norms and ro
 stay bf16. Expert weights sharded on dim 0 (TorchTitan's choice while the FSDP degree is at
 most the number of experts; beyond it, rowwise expert weights are gathered in bf16).
 
-Shapes: :mod:`titan_primus.cli.bench.model_shapes` (TorchTitan 0.3.0's Llama3-8B/70B/405B and
+Shapes: :mod:`titan_primus.diagnostics.model_shapes` (TorchTitan 0.3.0's Llama3-8B/70B/405B and
 DeepSeek-V3-671B).
 """
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .model_shapes import ARCHITECTURES, Architecture
+from ...diagnostics.model_shapes import ARCHITECTURES, Architecture
 
 __all__ = ["Weight", "MODELS", "step_bytes", "traffic_rows", "render_traffic"]
 

@@ -43,7 +43,7 @@ from ... import registry
 from ...attention import AttentionSite, attend, attention_backends, attention_refusal, backend_route, route_attention
 from ...device import DeviceProfile, device_profile
 from ..progress import progress
-from ..doctor import ATTENTION_RECIPE, describe_error, environment, resolve_profile, why_not
+from ...diagnostics.environment import ATTENTION_RECIPE, describe_error, environment, resolve_profile, why_not
 from ...numerics import (
     ATTENTION_QUANTITIES,
     E4M3_BAR_DB,
@@ -65,15 +65,8 @@ from ...numerics import (
 )
 from ...ops import fp8_grouped_mm, fp8_linear
 from ...recipes import RECIPE_NAMES, Fp8Recipe
-from ..report import (
-    db_value,
-    document,
-    format_db,
-    markdown_table,
-    prepare_output,
-    skip_lines,
-    write_document,
-)
+from ...diagnostics.results import db_value, document, prepare_output, write_document
+from ..report import format_db, markdown_table, skip_lines
 from ...routing import BackendUnavailableError, select_backend
 
 __all__ = [

@@ -21,8 +21,9 @@ from ...fsdp_fp8 import Fp8GatheredWeight
 from ...sentinel.capture import load_capture
 from ...numerics import QUANTITIES
 from ...sentinel.check import GemmRecord, finite, judge, recompute
-from ..doctor import describe_error, environment, resolve_profile, why_not
-from ..report import document, format_db, markdown_table, prepare_output, write_document
+from ...diagnostics.environment import describe_error, environment, resolve_profile, why_not
+from ...diagnostics.results import document, prepare_output, write_document
+from ..report import format_db, markdown_table
 
 __all__ = ["command"]
 

@@ -267,7 +267,7 @@ def _environment() -> dict:
     from ...adapter_import import installed_version
     from ...backends.primus_turbo.release import describe_build
     from ...device import detect_device
-    from ..doctor import environment
+    from ...diagnostics.environment import environment
 
     env = environment(detect_device())
     if torch.cuda.is_available():
@@ -322,7 +322,7 @@ def _named_backend_refusal(config_plans: list[ConfigPlan]) -> str | None:
 def command(args, argv: list[str], out) -> int:
     import torch
 
-    from ..report import document, load_document, prepare_output, write_document
+    from ...diagnostics.results import document, load_document, prepare_output, write_document
     from .report import plot_validate_png, render_validate_markdown
 
     line = trainer_line()

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import math
 
-from ..formatting import markdown_table, prepare_output, pyplot
+from ..formatting import markdown_table, pyplot
+from ...diagnostics.results import prepare_output
 from .verdicts import median_tps, peak_memory
 
 __all__ = ["plot_validate_png", "render_validate_markdown"]

@@ -47,7 +47,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .model_shapes import ARCHITECTURES, Architecture, AttentionHeads, Block, Gemm
+from ..model_shapes import ARCHITECTURES, Architecture, AttentionHeads, Block, Gemm
 
 __all__ = [
     "ASSUMPTIONS",

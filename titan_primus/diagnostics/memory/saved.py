@@ -26,9 +26,9 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from .backends.base import Op
-from .fsdp_fp8 import fp8_all_gather_plan, quantize_weight
-from .recipes import Fp8Recipe, with_token_groups_padded_to
+from ...backends.base import Op
+from ...fsdp_fp8 import fp8_all_gather_plan, quantize_weight
+from ...recipes import Fp8Recipe, with_token_groups_padded_to
 
 __all__ = ["CATEGORIES", "LayerShape", "AUDIT_SHAPES", "audit_layer", "kept_for_backward", "recording_saved_tensors"]
 
