@@ -15,6 +15,7 @@ import titan_primus as tp
 from titan_primus import cli
 from titan_primus.cli.bench import command as bench
 from titan_primus.cli.parity import command as parity
+from titan_primus.diagnostics import parity as parity_matrix
 from titan_primus.backends.emulated import EmulatedBackend
 from titan_primus.backends.emulated.attention import EmulatedAttention
 from titan_primus.hookspec import hookimpl
@@ -288,7 +289,7 @@ def test_parity_fails_fp8_attention_that_returns_nan(monkeypatch):
         return out + torch.full_like(out, float("nan"))
 
     monkeypatch.setattr(emulated_attention, "fp8_attention", nan_attention)
-    (row, _) = parity.run_matrix(tp.detect_device(), (), attention_cases=parity.QUICK_ATTENTION_CASES[:1])
+    (row, _) = parity_matrix.run_matrix(tp.detect_device(), (), attention_cases=parity_matrix.QUICK_ATTENTION_CASES[:1])
     assert row.backend == "emulated" and row.status == "fail"
     assert "out has NaN/inf" in row.reason and "out vs fp32 -inf dB < 20" in row.reason
 

@@ -10,7 +10,7 @@ from real_turbo.conftest import ARCH, TURBO
 from titan_primus.attention import AttentionRoute, attend, backend_route
 from titan_primus.diagnostics.memory.audit import ATTENTION_AUDIT_HEADS, ATTENTION_AUDIT_SEQ
 from titan_primus.diagnostics.memory.model import ATTENTION_PATHS, attention_saved
-from titan_primus.cli.parity import command as parity
+from titan_primus.diagnostics import parity
 from titan_primus.device import device_profile
 from titan_primus.diagnostics.memory.saved import recording_saved_tensors
 

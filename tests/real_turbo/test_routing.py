@@ -127,13 +127,14 @@ def test_parity_command_checks_primus_turbo_against_the_emulation(tmp_path, monk
 
     from titan_primus.cli import main
     from titan_primus.cli.parity import command as parity
+    from titan_primus.diagnostics.parity import GroupedCase, LinearCase
 
     monkeypatch.setattr(
         parity,
         "QUICK_CASES",
         (
-            parity.LinearCase(name="m255", m=255, k=256, n=256, why="M not a multiple of 16"),
-            parity.GroupedCase(
+            LinearCase(name="m255", m=255, k=256, n=256, why="M not a multiple of 16"),
+            GroupedCase(
                 name="empty_groups_trailing_rows",
                 counts=(9, 0, 21, 6),
                 trailing=5,

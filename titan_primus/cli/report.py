@@ -7,17 +7,10 @@ import math
 from collections import Counter
 from pathlib import Path
 
-from ..diagnostics.results import ResultsFileError, load_document, parse_db, prepare_output
+from ..diagnostics.results import ResultsFileError, format_db, load_document, parse_db, prepare_output
 from .formatting import markdown_table, pyplot
 
-__all__ = ["command", "format_db", "plot_memory_png", "plot_sqnr_png", "render_markdown", "skip_lines"]
-
-
-def format_db(v: float | str | None) -> str:
-    if v is None:
-        return "-"
-    x = parse_db(v)
-    return f"{x:.1f}" if math.isfinite(x) else ("inf" if x > 0 else "-inf")
+__all__ = ["command", "plot_memory_png", "plot_sqnr_png", "render_markdown", "skip_lines"]
 
 
 def skip_lines(skips: list[tuple[str, str]]) -> list[str]:

@@ -16,6 +16,7 @@ __all__ = [
     "ResultsFileError",
     "db_value",
     "document",
+    "format_db",
     "load_document",
     "parse_db",
     "prepare_output",
@@ -104,3 +105,10 @@ def db_value(x: float) -> float | str:
 
 def parse_db(v: float | str) -> float:
     return float(v)
+
+
+def format_db(v: float | str | None) -> str:
+    if v is None:
+        return "-"
+    x = parse_db(v)
+    return f"{x:.1f}" if math.isfinite(x) else ("inf" if x > 0 else "-inf")

@@ -23,7 +23,8 @@ from ...numerics import QUANTITIES
 from ...sentinel.check import GemmRecord, finite, judge, recompute
 from ...diagnostics.environment import describe_error, environment, resolve_profile, why_not
 from ...diagnostics.results import document, prepare_output, write_document
-from ..report import format_db, markdown_table
+from ...diagnostics.results import format_db
+from ..report import markdown_table
 
 __all__ = ["command"]
 
