@@ -305,7 +305,8 @@ def test_bench_traffic_model_uses_the_real_model_sizes():
     module), and FP8 all-gather
     halves what it covers: Llama3 about 0.51-0.53x, DeepSeek-V3 about 0.50x (its expert
     weights, 98% of its parameters, gather in FP8 too)."""
-    from titan_primus.cli.bench.fsdp_traffic import MODELS, render_traffic, traffic_rows
+    from titan_primus.cli.bench.traffic import render_traffic
+    from titan_primus.diagnostics.traffic.fsdp import MODELS, traffic_rows
 
     sizes = {name: sum(w.numel for w in weights) for name, weights in MODELS.items()}
     assert sizes == {

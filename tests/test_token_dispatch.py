@@ -420,7 +420,8 @@ def test_bench_models_expert_parallel_traffic_for_deepseek_v3():
     """The model bench prints: DeepSeek-V3-671B (58 MoE layers, dim 7168, top-8) at EP 8 and 64.
     Checked by hand: 4096 tokens x 8 x (EP-1)/EP x 58 layers rows cross; bf16 rows are 14336
     bytes, FP8 rowwise ones 7172 (payload + a float32 scale), mxfp8 ones 7392 (+ 224 E8M0 bytes)."""
-    from titan_primus.cli.bench.ep_traffic import ep_traffic_rows, render_ep_traffic
+    from titan_primus.cli.bench.traffic import render_ep_traffic
+    from titan_primus.diagnostics.traffic.ep import ep_traffic_rows
 
     rows = {r["ep"]: r for r in ep_traffic_rows()}
     assert sorted(rows) == [8, 64] and rows[8]["moe_layers"] == 58

@@ -46,8 +46,9 @@ from ...numerics import sdpa
 from ...diagnostics.environment import ATTENTION_RECIPE, describe_error, environment, why_not
 from ..progress import progress
 from ...diagnostics.model_shapes import ARCHITECTURES, AttentionHeads
-from .ep_traffic import ep_traffic_rows, render_ep_traffic
-from .fsdp_traffic import render_traffic, traffic_rows
+from ...diagnostics.traffic.ep import ep_traffic_rows
+from ...diagnostics.traffic.fsdp import traffic_rows
+from .traffic import render_ep_traffic, render_traffic
 from .sentinel_cost import render_sentinel_cost, sentinel_cost
 from ...diagnostics.results import document, prepare_output, write_document
 from ..report import markdown_table, skip_lines

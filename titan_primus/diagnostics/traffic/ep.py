@@ -17,9 +17,9 @@ layers, dim 7168, 256 experts, top-8).
 
 from __future__ import annotations
 
-from ...diagnostics.model_shapes import ARCHITECTURES
+from ..model_shapes import ARCHITECTURES
 
-__all__ = ["ep_traffic_rows", "render_ep_traffic"]
+__all__ = ["ep_traffic_rows"]
 
 MODEL = "DeepSeek-V3-671B"
 DEGREES = (8, 64)
@@ -48,39 +48,3 @@ def ep_traffic_rows(tokens_per_rank: int = TOKENS_PER_RANK) -> list[dict]:
             row[f"{recipe}_step_ratio"] = (dispatch + 3 * crossing * bf16_row) / row["bf16_step_bytes"]
         rows.append(row)
     return rows
-
-
-def render_ep_traffic(tokens_per_rank: int = TOKENS_PER_RANK) -> str:
-    from ..formatting import markdown_table
-
-    gib = 2**30
-    table = [
-        [
-            f"EP {r['ep']}",
-            f"{r['bf16_dispatch_bytes'] / gib:.2f}",
-            f"{r['rowwise_dispatch_bytes'] / gib:.2f} ({r['rowwise_dispatch_ratio']:.3f}x)",
-            f"{r['mxfp8_dispatch_bytes'] / gib:.2f} ({r['mxfp8_dispatch_ratio']:.3f}x)",
-            f"{r['bf16_step_bytes'] / gib:.2f}",
-            f"{r['rowwise_step_ratio']:.3f}x / {r['mxfp8_step_ratio']:.3f}x",
-        ]
-        for r in ep_traffic_rows(tokens_per_rank)
-    ]
-    headers = [
-        "degree",
-        "dispatch bf16",
-        "dispatch FP8 rowwise",
-        "dispatch FP8 mxfp8",
-        "all 4 bf16",
-        "all 4, FP8 dispatch",
-    ]
-    return (
-        "\n".join(
-            [
-                f"Expert-parallel all-to-all traffic per step and rank, {MODEL}, {tokens_per_rank} tokens per rank, "
-                f"uniform routing (MODEL, computed from shapes; see titan_primus/cli/bench/ep_traffic.py), GiB sent:",
-                "FP8 dispatch (fp8_dispatch) changes the forward dispatch only; combine and both gradients stay bf16",
-                markdown_table(headers, table),
-            ]
-        )
-        + "\n"
-    )

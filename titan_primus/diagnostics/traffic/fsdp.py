@@ -21,9 +21,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...diagnostics.model_shapes import ARCHITECTURES, Architecture
+from ..model_shapes import ARCHITECTURES, Architecture
 
-__all__ = ["Weight", "MODELS", "step_bytes", "traffic_rows", "render_traffic"]
+__all__ = ["Weight", "MODELS", "step_bytes", "traffic_rows"]
 
 
 @dataclass(frozen=True)
@@ -77,30 +77,3 @@ def traffic_rows(ranks: int) -> list[dict]:
         row["fp8_gathered_share"] = sum(w.numel for w in weights if w.fp8) / sum(w.numel for w in weights)
         rows.append(row)
     return rows
-
-
-def render_traffic(ranks: int) -> str:
-    from ..report import markdown_table
-
-    gib = 2**30
-    table = [
-        [
-            r["model"],
-            f"{100 * r['fp8_gathered_share']:.1f}%",
-            f"{r['bf16_bytes'] / gib:.1f}",
-            f"{r['tensorwise_bytes'] / gib:.1f} ({r['tensorwise_ratio']:.3f}x)",
-            f"{r['rowwise_bytes'] / gib:.1f} ({r['rowwise_ratio']:.3f}x)",
-        ]
-        for r in traffic_rows(ranks)
-    ]
-    return (
-        "\n".join(
-            [
-                f"FSDP2 all-gather traffic per step and rank on {ranks} ranks (MODEL, computed from shapes; "
-                f"see titan_primus/cli/bench/fsdp_traffic.py), GiB:",
-                "rowwise applies to the Primus-Turbo v0.3.1+ definition only; other rowwise definitions gather in bf16",
-                markdown_table(["model", "params FP8-gathered", "bf16", "FP8 tensorwise", "FP8 rowwise"], table),
-            ]
-        )
-        + "\n"
-    )
