@@ -30,9 +30,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 import regressions  # noqa: E402
 
 from titan_primus.diagnostics.results import load_document  # noqa: E402
-from titan_primus.cli.validate.command import ConfigPlan, judge_document, run_trainer  # noqa: E402
-from titan_primus.cli.validate.judge import compare_with_baseline, fp8_engaged  # noqa: E402
-from titan_primus.cli.validate.lines import trainer_line  # noqa: E402
+from titan_primus.diagnostics.validate.run import ConfigPlan, judge_document, run_trainer  # noqa: E402
+from titan_primus.diagnostics.validate.judge import compare_with_baseline, fp8_engaged  # noqa: E402
+from titan_primus.diagnostics.validate.lines import trainer_line  # noqa: E402
 
 MODELS = {
     "llama3": ["--quick"],

@@ -23,8 +23,8 @@ from repo_root import ROOT
 
 from titan_primus.cli import build_parser
 from titan_primus.diagnostics.results import load_document
-from titan_primus.cli.validate.baseline import BaselineMismatch, mismatches, refuse_mismatches
-from titan_primus.cli.validate.command import judge_document
+from titan_primus.diagnostics.validate.baseline import BaselineMismatch, mismatches, refuse_mismatches
+from titan_primus.diagnostics.validate.run import judge_document
 from titan_primus.cli.validate.report import render_validate_markdown
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -368,8 +368,8 @@ def test_primus_turbo_named_on_a_cpu_fails_before_training(tmp_path):
 
 
 def test_the_fp8_only_options_reach_the_fp8_runs_only():
-    from titan_primus.cli.validate.command import fp8_options, plans
-    from titan_primus.cli.validate.lines import Line03
+    from titan_primus.diagnostics.validate.run import fp8_options, plans
+    from titan_primus.diagnostics.validate.lines import Line03
 
     args = build_parser().parse_args(
         ["validate", "--quick", "--backend", "torchao", "--fp8-dispatch", "--filter-fqns", "router.gate,output"]
@@ -450,8 +450,8 @@ def test_under_pipeline_parallelism_the_steps_come_from_the_last_stage(tmp_path)
     """2 gloo ranks, pipeline parallel degree 2: rank 0 (the first stage) logs a loss of -1.0, the
     last stage the real one; validate records the last stage's, once per step."""
     from titan_primus import cpu_trainer
-    from titan_primus.cli.validate import command
-    from titan_primus.cli.validate.launch import CPU_LAUNCHER_ENV, METRICS_ENV
+    from titan_primus.diagnostics.validate import run as command
+    from titan_primus.diagnostics.validate.launch import CPU_LAUNCHER_ENV, METRICS_ENV
 
     metrics = tmp_path / "metrics.jsonl"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -479,8 +479,8 @@ def test_under_pipeline_parallelism_the_steps_come_from_the_last_stage(tmp_path)
 def test_the_readme_upgrade_command_takes_its_configs_from_the_baseline(quick):
     """`titan-primus validate --baseline last-good.json` on a GPU (no --config): the baseline's
     configs and settings, each overridable on the command line."""
-    from titan_primus.cli.validate.command import plans
-    from titan_primus.cli.validate.lines import Line03
+    from titan_primus.diagnostics.validate.run import plans
+    from titan_primus.diagnostics.validate.lines import Line03
 
     _, _, _, doc, _ = quick
     args = build_parser().parse_args(["validate", "--baseline", "last-good.json"])

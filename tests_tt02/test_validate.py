@@ -15,7 +15,7 @@ import pytest
 from repo_root import ROOT
 
 from titan_primus.diagnostics.results import load_document
-from titan_primus.cli.validate.command import judge_document
+from titan_primus.diagnostics.validate.run import judge_document
 
 QUICK_STEPS = 20
 TOML = "examples/torchtitan02/llama3_debug_fp8.toml"
@@ -113,8 +113,8 @@ def test_the_mi300x_job_validates_tomls_this_line_takes():
     import shlex
 
     from titan_primus.cli import build_parser
-    from titan_primus.cli.validate.command import plans
-    from titan_primus.cli.validate.lines import CONVERTER_ENV, Line02
+    from titan_primus.diagnostics.validate.run import plans
+    from titan_primus.diagnostics.validate.lines import CONVERTER_ENV, Line02
 
     script = (ROOT / "ci" / "mi300x-image.sh").read_text().replace("\\\n", " ").splitlines()
     lines = [s for s in script if "ci/validate.sh" in s and not s.lstrip().startswith("#")]
@@ -152,8 +152,8 @@ def test_a_stock_toml_gets_the_converter_in_the_fp8_runs_only(fp8, tmp_path, mon
     recipe validate was given), the bf16 runs without it; the TOML's other converters stay."""
     from torchtitan.config import ConfigManager
 
-    from titan_primus.cli.validate.command import ConfigPlan
-    from titan_primus.cli.validate.lines import CONVERTER_ENV, Line02
+    from titan_primus.diagnostics.validate.run import ConfigPlan
+    from titan_primus.diagnostics.validate.lines import CONVERTER_ENV, Line02
 
     text = (ROOT / TOML).read_text()
     start, end = text.index("\n[titan_primus]"), text.index("\n[optimizer]")

@@ -16,7 +16,7 @@ import sys
 
 from ..device import known_profiles
 from ..recipes import RECIPE_NAMES
-from .validate.baseline import COMPARED_FIELDS
+from ..diagnostics.validate.baseline import COMPARED_FIELDS
 
 __all__ = ["build_parser", "main"]
 

@@ -8,7 +8,7 @@ import math
 
 from ..formatting import markdown_table, pyplot
 from ...diagnostics.results import prepare_output
-from .verdicts import median_tps, peak_memory
+from ...diagnostics.validate.verdicts import median_tps, peak_memory
 
 __all__ = ["plot_validate_png", "render_validate_markdown"]
 

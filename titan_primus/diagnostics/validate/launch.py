@@ -59,7 +59,7 @@ def main() -> None:
         # Its device and attention workarounds must precede every other torchtitan import.
         importlib.import_module(f"titan_primus.cpu_trainer.{Path(cpu_launcher).stem}")
 
-    from titan_primus.cli.validate.lines import trainer_line
+    from titan_primus.diagnostics.validate.lines import trainer_line
 
     line = trainer_line()
     train = line.install_hooks(
