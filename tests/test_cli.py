@@ -14,6 +14,7 @@ import torch
 import titan_primus as tp
 from titan_primus import cli
 from titan_primus.cli.bench import command as bench
+from titan_primus.diagnostics import bench as bench_lib
 from titan_primus.cli.parity import command as parity
 from titan_primus.diagnostics import parity as parity_matrix
 from titan_primus.backends.emulated import EmulatedBackend
@@ -394,7 +395,7 @@ def test_bench_quick_on_cpu_says_what_cpu_figures_mean(results):
 def test_attention_flops_follow_flash_attentions_convention():
     """Llama3-8B causal at 8192 tokens: 4*B*H*S^2*D forward, halved; backward 2.5x. DeepSeek-V3's
     MLA: 2*B*H*S^2*(192 + 128) forward. On a CPU the heads shrink but keep 4 query heads per KV head."""
-    llama, deepseek = bench.ATTENTION_SHAPES
+    llama, deepseek = bench_lib.ATTENTION_SHAPES
     assert llama.forward_flops == 4 * 32 * 8192**2 * 128 // 2 and llama.flops == llama.forward_flops * 3.5
     assert deepseek.forward_flops == 2 * 128 * 8192**2 * (192 + 128) // 2
     scaled = llama.scaled(64)
@@ -402,9 +403,9 @@ def test_attention_flops_follow_flash_attentions_convention():
 
 
 def test_peaks_are_found_by_marketing_name():
-    assert bench.peak_for("AMD Instinct MI300X")[1].fp8 == pytest.approx(2614.9)
-    assert bench.peak_for("NVIDIA H100 80GB HBM3")[0] == "H100"
-    assert bench.peak_for("CPU") is None
+    assert bench_lib.peak_for("AMD Instinct MI300X")[1].fp8 == pytest.approx(2614.9)
+    assert bench_lib.peak_for("NVIDIA H100 80GB HBM3")[0] == "H100"
+    assert bench_lib.peak_for("CPU") is None
 
 
 def test_report_renders_files_side_by_side_with_a_png(capsys, results, tmp_path):

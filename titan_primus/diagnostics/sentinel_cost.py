@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import torch
 
-from ... import sentinel
-from ...recipes import with_token_groups_padded_to
-from ...routing import BackendUnavailableError, select_backend
-from ...sentinel import SentinelOptions, WatchedBackend
-from ..report import markdown_table
+from .. import sentinel
+from ..recipes import with_token_groups_padded_to
+from ..routing import BackendUnavailableError, select_backend
+from ..sentinel import SentinelOptions, WatchedBackend
 
-__all__ = ["render_sentinel_cost", "sentinel_cost"]
+__all__ = ["sentinel_cost"]
 
 _NEVER = 10**9
 """An interval no step reaches: every-step checks only."""
@@ -72,35 +71,3 @@ def sentinel_cost(shapes, recipe: str, timing, profile, step_fn, time_ms) -> lis
         sentinel.reset()
         row["status"] = "ok"
     return rows
-
-
-def render_sentinel_cost(rows: list[dict]) -> str:
-    lines = [
-        "numerics sentinel cost per layer GEMM (forward+backward, ms): every step pays watched - plain per GEMM "
-        "call of each converted layer; a checked step pays checked - watched once (docs/sentinel.md)"
-    ]
-    table = []
-    for r in rows:
-        if r["status"] != "ok":
-            continue
-        table.append(
-            [
-                r["op"],
-                r["case"],
-                r["shape"],
-                r["backend"],
-                r["recipe"],
-                f"{r['plain_ms']:.3g}",
-                f"{r['watched_ms']:.3g}",
-                f"{r['checked_ms']:.3g}",
-                f"{r['watched_ms'] - r['plain_ms']:+.3g}",
-                f"{r['checked_ms'] - r['watched_ms']:+.3g}",
-            ]
-        )
-    lines.append(
-        markdown_table(
-            ["op", "case", "shape", "backend", "recipe", "plain", "watched", "checked", "every step", "checked step"],
-            table,
-        )
-    )
-    return "\n".join(lines) + "\n"
