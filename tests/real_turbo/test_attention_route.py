@@ -116,14 +116,13 @@ def test_only_the_decoders_attention_reaches_primus_turbo():
 
 
 def _corrupting(op, **wrong):
-    """``op`` with some of its positional arguments replaced by ``wrong[name](value)``."""
-    positions = {"max_seqlen_q": 5, "lse": 5, "out": 4}
+    """``op`` with some of its arguments, which the route passes by name, replaced by
+    ``wrong[name](value)``."""
 
-    def call(*args):
-        args = list(args)
+    def call(**kwargs):
         for name, change in wrong.items():
-            args[positions[name]] = change(args[positions[name]])
-        return op(*args)
+            kwargs[name] = change(kwargs[name])
+        return op(**kwargs)
 
     return call
 
@@ -146,7 +145,7 @@ def test_a_route_passing_a_wrong_length_lse_or_output_fails(wrong, monkeypatch):
         )
     elif wrong == "lse":
         monkeypatch.setattr(
-            turbo_ops, "attention_aiter_varlen_backward_impl", _corrupting(backward, lse=lambda t: t + 1)
+            turbo_ops, "attention_aiter_varlen_backward_impl", _corrupting(backward, softmax_lse=lambda t: t + 1)
         )
     elif wrong == "output":
         monkeypatch.setattr(

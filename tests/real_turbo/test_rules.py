@@ -238,3 +238,30 @@ def test_a_build_that_renamed_an_argument_titan_primus_passes_is_refused_at_load
     monkeypatch.setattr(quant, "dequantize_fp8_rowwise_impl", without_axis)
     with pytest.raises(release.UnsupportedRelease, match=r"dequantize_fp8_rowwise_impl takes no argument axis"):
         release._load()
+
+
+def test_an_attention_op_that_renamed_an_argument_titan_primus_passes_is_refused_at_load(monkeypatch):
+    """The attention ops are called by argument name too (attention_fp8.py, attention_bf16.py),
+    their names checked at load with the GEMMs': an FP8 attention forward whose ``use_fp8`` was
+    renamed is refused there, naming the op, the argument and the titan-primus file."""
+    import importlib
+    import inspect
+
+    from titan_primus.backends.primus_turbo import release
+
+    triton_impl = importlib.import_module(release.ATTENTION_IMPL_MODULES[0])
+    real = triton_impl.attention_triton_forward_impl
+    names = [a.name for a in real._opoverload._schema.arguments]
+    assert "use_fp8" in names
+
+    def renamed(**kwargs):
+        return real(**kwargs)
+
+    renamed.__signature__ = inspect.Signature(
+        [inspect.Parameter("fp8" if n == "use_fp8" else n, inspect.Parameter.KEYWORD_ONLY) for n in names]
+    )
+    monkeypatch.setattr(triton_impl, "attention_triton_forward_impl", renamed)
+    with pytest.raises(
+        release.UnsupportedRelease, match=r"attention_triton_forward_impl takes no argument use_fp8.*attention_fp8\.py"
+    ):
+        release._load()

@@ -42,22 +42,22 @@ class _FlashAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens, max_seqlen, scale, causal, left, right, atomic_fp32, bf16_cvt):
         out, lse, _, rng_state = torch.ops.primus_turbo.attention_aiter_varlen_forward_impl(
-            q,
-            k,
-            v,
-            cu_seqlens,
-            cu_seqlens,
-            max_seqlen,
-            max_seqlen,
-            0.0,
-            scale,
-            causal,
-            left,
-            right,
-            None,
-            None,
-            True,
-            False,
+            q=q,
+            k=k,
+            v=v,
+            cu_seqlens_q=cu_seqlens,
+            cu_seqlens_k=cu_seqlens,
+            max_seqlen_q=max_seqlen,
+            max_seqlen_k=max_seqlen,
+            dropout_p=0.0,
+            softmax_scale=scale,
+            causal=causal,
+            window_size_left=left,
+            window_size_right=right,
+            bias=None,
+            alibi_slopes=None,
+            return_lse=True,
+            return_softmax=False,
         )
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, rng_state)
         ctx.settings = (max_seqlen, scale, causal, left, right, atomic_fp32, bf16_cvt)
@@ -69,9 +69,30 @@ class _FlashAttention(torch.autograd.Function):
         max_seqlen, scale, causal, left, right, atomic_fp32, bf16_cvt = ctx.settings
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         torch.ops.primus_turbo.attention_aiter_varlen_backward_impl(
-            dout.contiguous(), q, k, v, out, lse, dq, dk, dv, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
-            0.0, scale, causal, left, right, None, False, rng_state, atomic_fp32, bf16_cvt,
-        )  # fmt: skip
+            dout=dout.contiguous(),
+            q=q,
+            k=k,
+            v=v,
+            out=out,
+            softmax_lse=lse,
+            dq=dq,
+            dk=dk,
+            dv=dv,
+            cu_seqlens_q=cu_seqlens,
+            cu_seqlens_k=cu_seqlens,
+            max_seqlen_q=max_seqlen,
+            max_seqlen_k=max_seqlen,
+            dropout_p=0.0,
+            softmax_scale=scale,
+            causal=causal,
+            window_size_left=left,
+            window_size_right=right,
+            alibi_slopes=None,
+            deterministic=False,
+            rng_state=rng_state,
+            is_v3_atomic_fp32=atomic_fp32,
+            how_v3_bf16_cvt=bf16_cvt,
+        )
         return dq, dk, dv, *([None] * 8)
 
 

@@ -61,22 +61,22 @@ def _forward_op(
     k8, k_descale = utils.block_scaling_node(k.contiguous(), True)
     v8, v_descale = utils.block_scaling_node(v.contiguous(), True)
     out, lse, _ = _turbo_ops().attention_triton_forward_impl(
-        q8,
-        k8,
-        v8,
-        utils.get_p_scale(True),
-        q_descale,
-        k_descale,
-        v_descale,
-        0.0,  # dropout_p
-        softmax_scale,
-        causal,
-        _NO_WINDOW,
-        _NO_WINDOW,
-        None,  # bias
-        None,  # alibi_slopes
-        False,  # return_softmax
-        True,  # use_fp8
+        q=q8,
+        k=k8,
+        v=v8,
+        p_scale=utils.get_p_scale(True),
+        q_descale=q_descale,
+        k_descale=k_descale,
+        v_descale=v_descale,
+        dropout_p=0.0,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        window_size_left=_NO_WINDOW,
+        window_size_right=_NO_WINDOW,
+        bias=None,
+        alibi_slopes=None,
+        return_softmax=False,
+        use_fp8=True,
     )
     # Primus-Turbo allocates its output with requires_grad=True (attention_triton_impl.py, every
     # build here); an op's autograd is this op's registration, and its fake says so.
@@ -106,29 +106,29 @@ def _backward(ctx, dout, *unused_grads):
     out, q8, k8, v8, q_descale, k_descale, v_descale, lse = ctx.saved_tensors
     cu_seqlens = _cu_seqlens_not_given()
     dq, dk, dv = _turbo_ops().attention_triton_backward_impl(
-        dout,
-        q8,
-        k8,
-        v8,
-        out,
-        q_descale,
-        k_descale,
-        v_descale,
-        _utils().get_p_scale(True),
-        lse,
-        None,  # dq, dk, dv: allocated by the op (fp32)
-        None,
-        None,
-        cu_seqlens,
-        cu_seqlens,
-        q8.shape[1],
-        k8.shape[1],
-        ctx.softmax_scale,
-        ctx.causal,
-        _NO_WINDOW,
-        _NO_WINDOW,
-        None,  # alibi_slopes
-        True,  # use_fp8
+        do=dout,
+        q=q8,
+        k=k8,
+        v=v8,
+        o=out,
+        q_descale=q_descale,
+        k_descale=k_descale,
+        v_descale=v_descale,
+        p_scale=_utils().get_p_scale(True),
+        softmax_lse_delta=lse,
+        dq=None,  # dq, dk, dv: allocated by the op (fp32)
+        dk=None,
+        dv=None,
+        cu_seqlens_q=cu_seqlens,
+        cu_seqlens_k=cu_seqlens,
+        max_seqlen_q=q8.shape[1],
+        max_seqlen_k=k8.shape[1],
+        softmax_scale=ctx.softmax_scale,
+        causal=ctx.causal,
+        window_size_left=_NO_WINDOW,
+        window_size_right=_NO_WINDOW,
+        alibi_slopes=None,
+        use_fp8=True,
     )
     # fp32 out of the kernel; autograd casts them to the inputs' dtypes after flash_attn_fp8_func too.
     dq, dk, dv = (g.to(dtype) for g, dtype in zip((dq, dk, dv), ctx.dtypes))

@@ -56,6 +56,10 @@ GEMM_OPS_MODULE = "primus_turbo.pytorch.ops.gemm_fp8"
 QUANT_MODULE = "primus_turbo.pytorch.kernels.quantization.quantization_impl"
 GEMM_IMPL_MODULE = "primus_turbo.pytorch.kernels.gemm.gemm_fp8_impl"
 GROUPED_IMPL_MODULE = "primus_turbo.pytorch.kernels.grouped_gemm.grouped_gemm_fp8_impl"
+ATTENTION_IMPL_MODULES = (
+    "primus_turbo.pytorch.kernels.attention.attention_triton_impl",
+    "primus_turbo.pytorch.kernels.attention.attention_aiter_impl",
+)
 
 
 class UnsupportedRelease(Exception):
@@ -93,30 +97,54 @@ def _surface(enums: ModuleType, gemm_ops: ModuleType, grouped_impl) -> str:
     return "v0.3.1"
 
 
-# The argument names titan-primus passes (autograd.py calls these by keyword), the same at every
-# verified build: a build that renamed or removed one is refused at load, before any step, with
-# the function and the names; one that adds an argument with a default passes.
+# The argument names titan-primus passes, by keyword, to each Primus-Turbo function or custom op,
+# with the titan-primus file that calls it; the same at every verified build. A build that renamed
+# or removed one is refused at load (Primus-Turbo imports every one of these modules with
+# ``primus_turbo.pytorch``), before any step, with the function and the names; one that adds an
+# argument with a default passes.
+_AUTOGRAD = "titan_primus/backends/primus_turbo/autograd.py"
+_ATTENTION_FP8 = "titan_primus/backends/primus_turbo/attention_fp8.py"
+_ATTENTION_BF16 = "titan_primus/backends/primus_turbo/attention_bf16.py"
 CALLED_BY_NAME = {
-    "gemm_fp8_impl": (
+    "gemm_fp8_impl": (_AUTOGRAD, (
         "a", "a_scale_inv", "trans_a", "b", "b_scale_inv", "trans_b", "out_dtype", "trans_c", "granularity",
         "default_backend",
-    ),
-    "grouped_gemm_fp8_impl": (
+    )),
+    "grouped_gemm_fp8_impl": (_AUTOGRAD, (
         "a", "b", "a_scales", "b_scales", "group_lens", "group_offs", "trans_a", "trans_b", "out_dtype",
         "granularity", "num_cu", "default_backend",
-    ),
-    "grouped_gemm_fp8_variable_k_impl": (
+    )),
+    "grouped_gemm_fp8_variable_k_impl": (_AUTOGRAD, (
         "a", "b", "a_scales", "b_scales", "group_lens", "group_offs", "trans_a", "trans_b", "trans_c", "out_dtype",
         "granularity", "num_cu", "default_backend",
-    ),
-    "quantize_fp8_tensorwise_impl": ("x", "out_dtype"),
-    "quantize_fp8_rowwise_impl": ("x", "out_dtype", "axis"),
-    "dequantize_fp8_rowwise_impl": ("x", "out_dtype", "axis", "scale_inv"),
-    "quant_fp8_blockwise_for_weight_impl": ("w", "dtype", "block_size"),
-    "quant_fp8_blockwise_dual_impl": ("x", "dtype", "block_size"),
-    "quant_fp8_blockwise_segment_m_row_col_impl": (
+    )),
+    "quantize_fp8_tensorwise_impl": (_AUTOGRAD, ("x", "out_dtype")),
+    "quantize_fp8_rowwise_impl": (_AUTOGRAD, ("x", "out_dtype", "axis")),
+    "dequantize_fp8_rowwise_impl": (_AUTOGRAD, ("x", "out_dtype", "axis", "scale_inv")),
+    "quant_fp8_blockwise_for_weight_impl": (_AUTOGRAD, ("w", "dtype", "block_size")),
+    "quant_fp8_blockwise_dual_impl": (_AUTOGRAD, ("x", "dtype", "block_size")),
+    "quant_fp8_blockwise_segment_m_row_col_impl": (_AUTOGRAD, (
         "x", "dtype", "block_size", "group_lens", "group_offs", "gemm_other_dim",
-    ),
+    )),
+    "attention_triton_forward_impl": (_ATTENTION_FP8, (
+        "q", "k", "v", "p_scale", "q_descale", "k_descale", "v_descale", "dropout_p", "softmax_scale", "causal",
+        "window_size_left", "window_size_right", "bias", "alibi_slopes", "return_softmax", "use_fp8",
+    )),
+    "attention_triton_backward_impl": (_ATTENTION_FP8, (
+        "do", "q", "k", "v", "o", "q_descale", "k_descale", "v_descale", "p_scale", "softmax_lse_delta", "dq",
+        "dk", "dv", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "softmax_scale", "causal",
+        "window_size_left", "window_size_right", "alibi_slopes", "use_fp8",
+    )),
+    "attention_aiter_varlen_forward_impl": (_ATTENTION_BF16, (
+        "q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "dropout_p",
+        "softmax_scale", "causal", "window_size_left", "window_size_right", "bias", "alibi_slopes", "return_lse",
+        "return_softmax",
+    )),
+    "attention_aiter_varlen_backward_impl": (_ATTENTION_BF16, (
+        "dout", "q", "k", "v", "out", "softmax_lse", "dq", "dk", "dv", "cu_seqlens_q", "cu_seqlens_k",
+        "max_seqlen_q", "max_seqlen_k", "dropout_p", "softmax_scale", "causal", "window_size_left",
+        "window_size_right", "alibi_slopes", "deterministic", "rng_state", "is_v3_atomic_fp32", "how_v3_bf16_cvt",
+    )),
 }  # fmt: skip
 
 
@@ -127,20 +155,20 @@ def _parameter_names(fn) -> set[str]:
 
 
 def _check_called_by_name(modules: tuple[ModuleType, ...], version: str) -> None:
-    for name, needed in CALLED_BY_NAME.items():
+    for name, (caller, needed) in CALLED_BY_NAME.items():
         fn = next((getattr(m, name) for m in modules if hasattr(m, name)), None)
         if fn is None:
             raise UnsupportedRelease(
                 f"Primus-Turbo {version} has no {name}, which titan-primus calls "
-                f"(titan_primus/backends/primus_turbo/autograd.py; verified at {', '.join(VERIFIED_BUILDS)}): "
+                f"({caller}; verified at {', '.join(VERIFIED_BUILDS)}): "
                 f"use a verified build, or a titan-primus that supports this one"
             )
         missing = [n for n in needed if n not in _parameter_names(fn)]
         if missing:
             raise UnsupportedRelease(
                 f"Primus-Turbo {version}'s {name} takes no argument {', '.join(missing)}, which titan-primus "
-                f"passes by name (titan_primus/backends/primus_turbo/autograd.py; verified at "
-                f"{', '.join(VERIFIED_BUILDS)}): use a verified build, or a titan-primus that supports this one"
+                f"passes by name ({caller}; verified at {', '.join(VERIFIED_BUILDS)}): use a verified build, "
+                f"or a titan-primus that supports this one"
             )
 
 
@@ -173,7 +201,13 @@ def _load() -> TurboApi:
     surface = _surface(enums, importlib.import_module(GEMM_OPS_MODULE), grouped_impl.grouped_gemm_fp8_impl)
     version = str(getattr(importlib.import_module("primus_turbo"), "__version__", "unknown"))
     _check_called_by_name(
-        (importlib.import_module(GEMM_IMPL_MODULE), grouped_impl, importlib.import_module(QUANT_MODULE)), version
+        (
+            importlib.import_module(GEMM_IMPL_MODULE),
+            grouped_impl,
+            importlib.import_module(QUANT_MODULE),
+            *(importlib.import_module(m) for m in ATTENTION_IMPL_MODULES),
+        ),
+        version,
     )
     api = TurboApi(
         surface=surface,

@@ -1,18 +1,6 @@
-"""``titan-primus bench --memory``, rendered (computed by :mod:`titan_primus.diagnostics.memory.audit`): what each backend's converted layer keeps from forward to
-backward, and what that makes of a model's memory per rank under FSDP2.
-
-1. The per-layer audit (measured, :func:`titan_primus.diagnostics.memory.saved.audit_layer`): for every available
-   backend and recipe, a linear and a grouped GEMM, eager and under ``torch.compile``, with the
-   weight as FSDP2 hands it over (bf16, or all-gathered in FP8 where that is exact): the bytes of
-   FP8 and other activations, parameter storage (FSDP-managed) and weight copies kept.
-2. Estimates for Llama3-8B/70B/405B and DeepSeek-V3-671B (a MODEL, :mod:`.memory_model`) at a
-   chosen FSDP degree, sequence length and local batch, per audited backend and recipe, beside
-   bf16 and TorchAO's Float8Linear (the ``torchao`` backend's rows) on the same shapes.
-3. On a GPU: the peak memory of a few converted blocks under FSDP2, measured
-   (``torch.cuda.max_memory_allocated``), beside the same blocks in bf16.
-4. What each attention path keeps for backward per layer (a MODEL, :func:`.memory_model.attention_rows`),
-   the emulated FP8 attention's row checked against the tensors it saves on a small shape.
-"""
+"""``titan-primus bench --memory``, rendered: the document :mod:`titan_primus.diagnostics.memory.audit`
+computes (what each backend's converted layer keeps for backward, the per-model estimates, GPU
+peaks, attention) as tables."""
 
 from __future__ import annotations
 

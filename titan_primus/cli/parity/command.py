@@ -1,32 +1,7 @@
-"""``titan-primus parity``, rendered (computed by :mod:`titan_primus.diagnostics.parity`): do the FP8 backends on this machine compute what they should?
-
-For each op (linear, grouped GEMM) x recipe x shape case x registered backend, forward and
-backward run on seeded inputs, and the SQNR (:func:`titan_primus.sqnr`) of out, grad_input and
-grad_weight is measured against an fp32 reference computed from the same inputs, and between
-backends that implement the same recipe definition.
-
-Thresholds, fp32 references and the same-definition comparison are the core's
-(:mod:`titan_primus.numerics`): per GEMM vs fp32, and 40 dB between two runs of one recipe
-definition (whole-tensor SQNR here; the sentinel adds a row floor). Where two backends define a
-recipe differently (TorchAO rounds rowwise scales to powers of two, Primus-Turbo does not), they
-are not compared with each other; each is compared with fp32, and with the emulated backend
-running its own definition (the emulation reproduces every definition).
-Besides the thresholds, every output must be finite and rows of a grouped GEMM past the last
-group must get exactly zero output and gradient.
-
-FP8 attention (Primus-Turbo's ``flash_attn_fp8_func`` definition, blockwise 64) has no recipes:
-per attention case (causal, full, GQA, q/k and v head dims differing), the emulation always and Primus-Turbo where it is usable
-run it through the converter's own call (:func:`titan_primus.attention.attend`); out, dq, dk and
-dv are compared with fp32 SDPA of the same bf16 inputs (20 dB), and Primus-Turbo's with the
-emulation's (40 dB, the same definition).
-
-Where cases run: under the device profile asked for (default: the detected device); tensors live
-on this machine's GPU if it has one, else on the CPU. The fnuz-range case needs FNUZ formats
-(gfx942): on any other device it runs under the gfx942 profile with the emulation only, since
-real kernels there use their own device's formats. A backend that raises under a named profile
-that is not this machine's hardware is listed as skipped with the error; on the detected device
-it is a failure.
-"""
+"""``titan-primus parity``, rendered: the matrix :mod:`titan_primus.diagnostics.parity` runs (its
+docstring says what is compared with what, at which bars), as a table, the failures, the
+recipes defined differently and the skipped cells; exit 1 on a failure or a required backend that
+did not run."""
 
 from __future__ import annotations
 
