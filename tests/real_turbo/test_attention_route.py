@@ -10,6 +10,7 @@ like AITER, rounded once). The same model with document masking dropped (plain c
 Primus's attention patch trains) differs far more: the test asserts the route is at least 10x
 closer, on losses measured in the same run."""
 
+import importlib
 import os
 
 import pytest
@@ -160,3 +161,58 @@ def test_a_route_passing_a_wrong_length_lse_or_output_fails(wrong, monkeypatch):
         all(torch.isfinite(t).all() for t in got) and min(db) >= 40
     )  # measured as it is: 54.5 to 99 dB (v0.4.0, gfx950)
     assert passes == (wrong == "none"), (wrong, db)
+
+
+class _HostSyncs(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the ops that make a host wait for a GPU: a tensor read into Python (``.item()``:
+    ``_local_scalar_dense``) and ops whose output size depends on the data (``nonzero``). On a
+    CPU nothing waits, but the same ops run, so the count is the GPU's."""
+
+    SYNCING = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default}
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func in self.SYNCING
+        return func(*args, **(kwargs or {}))
+
+
+def _syncs(fn) -> int:
+    with _HostSyncs() as counted:
+        fn()
+    return counted.count
+
+
+def test_the_route_adds_no_host_sync_per_layer_and_the_varlen_masks_one_per_sequence_and_step():
+    """Issue 40, item 7, measured: the routed layers read the longest document from TorchTitan's
+    VarlenMetadata (an int) and sync nowhere in forward or backward. What a step pays is TorchTitan's
+    own varlen metadata (``create_varlen_metadata_for_document``: one ``nonzero`` per sequence of the
+    batch and one ``.item()``, TorchTitan's varlen path does the same), built once per step where the
+    flex masks it replaces build with none. Not removable by a converter: AITER's varlen kernels take
+    the document count as a tensor shape, known on the host only after the device has found the
+    documents (docs/attention.md)."""
+    from titan_helpers import build, token_ids
+
+    from titan_primus.torchtitan import Float8Converter
+
+    registry = importlib.import_module("torchtitan.models.llama3").model_registry
+    flex = build(registry("debugmodel").model)
+    converter = Float8Converter.Config(
+        device=ARCH, backend="primus_turbo", linears=False, grouped_experts=False, attention=True
+    ).build()
+    routed = build(converter.convert(registry("debugmodel").model))
+    assert converter.report.attention and all(r.backend == "primus_turbo" for r in converter.report.attention)
+    B, L = 2, 128
+    positions = torch.cat([torch.arange(48), torch.arange(80)]).repeat(B, 1)  # two documents per sequence
+    assert _syncs(lambda: flex.get_attention_masks(positions=positions)) == 0
+    assert _syncs(lambda: routed.get_attention_masks(positions=positions)) == B + 1
+    masks = routed.get_attention_masks(positions=positions)
+    assert masks.max_q == 80
+    tokens = token_ids(B, L, torch.Generator().manual_seed(0))
+
+    def step():
+        routed(tokens, attention_masks=masks, positions=positions).float().sum().backward()
+
+    assert _syncs(step) == 0
