@@ -244,7 +244,7 @@ def test_a_torchao_that_moved_its_grouped_gemm_is_told_apart_from_an_old_one(mon
 
     from titan_primus.backends import torchao as backend
 
-    monkeypatch.setattr(backend, "_GROUPED_MM_NAMES", (("torchao.prototype.moe_training", "_moved_upstream"),))
+    monkeypatch.setattr(backend, "GROUPED_MM_NAMES", (("torchao.prototype.moe_training", "_moved_upstream"),))
     why = backend.TorchAOBackend()._grouped_mm_import_error
     assert f"TorchAO {torchao.__version__} lacks its FP8 rowwise grouped GEMM" in why, why
     assert "_moved_upstream" in why and "verified on TorchAO 0.17 to 0.18" in why and ">=0.17" not in why

@@ -26,7 +26,7 @@ from .linear import linear_configs, linear_function, linear_symbol, missing_line
 __all__ = ["TorchAOBackend"]
 
 # (module, attribute) candidates, newest first.
-_GROUPED_MM_NAMES = (
+GROUPED_MM_NAMES = (
     ("torchao.prototype.moe_training", "_to_fp8_rowwise_then_scaled_grouped_mm"),  # 0.17+
     ("torchao.prototype.moe_training.fp8_grouped_mm", "_to_fp8_rowwise_then_scaled_grouped_mm"),
 )
@@ -86,8 +86,8 @@ class TorchAOBackend(Fp8Backend):
             # A TorchAO that should have it: the symbol moved upstream, and a newer TorchAO is no fix.
             return (
                 f"TorchAO {version} lacks its FP8 rowwise grouped GEMM where titan-primus's TorchAO grouped GEMM "
-                f"takes it (titan_primus/backends/torchao/__init__.py; verified on TorchAO {_VERIFIED_TORCHAO_GROUPED}: "
-                f"{e}): install a TorchAO from {_VERIFIED_TORCHAO_GROUPED}, or a titan-primus that supports this one"
+                f"takes it (titan_primus/backends/torchao/__init__.py; verified on TorchAO {VERIFIED_TORCHAO_GROUPED}: "
+                f"{e}): install a TorchAO from {VERIFIED_TORCHAO_GROUPED}, or a titan-primus that supports this one"
             )
         return None
 
@@ -258,7 +258,7 @@ class TorchAOBackend(Fp8Backend):
 
     @cached_property
     def _grouped_mm_fn(self):
-        return _first_attr(_GROUPED_MM_NAMES)
+        return _first_attr(GROUPED_MM_NAMES)
 
     def group_alignment(self, recipe: Fp8Recipe) -> int:
         # torch._scaled_grouped_mm needs 16-byte strides and group starts along the contraction
@@ -315,7 +315,7 @@ class TorchAOBackend(Fp8Backend):
         return zero_trailing_rows(out, offs)
 
 
-_VERIFIED_TORCHAO_GROUPED = "0.17 to 0.18"
+VERIFIED_TORCHAO_GROUPED = "0.17 to 0.18"
 
 
 def _release(version: str) -> tuple[int, ...]:
