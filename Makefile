@@ -16,9 +16,10 @@ inductor_dir = $(if $(INDUCTOR_CACHE),$(INDUCTOR_CACHE)/$(call inductor_key,$(1)
 run     = OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TORCHINDUCTOR_CACHE_DIR=$(call inductor_dir,$(1))
 
 # Test processes (pytest-xdist): one per core, at most 4 (a TorchTitan trainer test runs up to two
-# ranks of its own).
+# ranks of its own). Each session ends with its 20 costliest tests, so CI's log says where its
+# time goes (docs/ci.md).
 JOBS   ?= $(shell $(PYTHON) -c "import os; print(min(4, len(os.sched_getaffinity(0))))")
-PYTEST := -m pytest -q -n $(JOBS) --dist loadgroup
+PYTEST := -m pytest -q -n $(JOBS) --dist loadgroup --durations=20
 
 # The oldest stack the project supports, the one AMD's rocm/primus images run: pyproject.toml's
 # lower bounds (tests/test_install.py checks they agree). torch's registry wheel is a CUDA build
