@@ -8,7 +8,8 @@ all-gathered per step, counted at the collective (all of it) and at the FP8 hook
 weights' payload).
 
 Usage: fsdp_fp8_all_gather.py MODEL RECIPE DEVICE_PROFILE BACKEND STEPS [OPTIONS...]
-OPTIONS: ``experts_shard1`` (FSDP2 shards expert weights on dim 1, as TorchTitan does when the FSDP
+OPTIONS: ``shapes`` (then single FP8 linears with fewer rows than ranks and uneven rows, FP8 against
+bf16 all-gather: :func:`uneven_and_empty_rows`); ``experts_shard1`` (FSDP2 shards expert weights on dim 1, as TorchTitan does when the FSDP
 degree exceeds the number of experts); ``cpu_offload`` (the FP8 all-gather run under FSDP2's
 ``CPUOffloadPolicy``, compared with the bf16 all-gather without it; FSDP2 then copies each shard to
 the device before its pre-all-gather hook, ``.to(device)``: on a CPU that aliases, so here the copy
@@ -71,6 +72,9 @@ _pre_all_gather = Fp8AllGatherWeight.fsdp_pre_all_gather
 def _counting_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):  # FSDP2 reads the signature
     inputs, metadata = _pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy)
     gathered["fp8_hooks"] += world * sum(t.numel() * t.element_size() for t in inputs)
+    scales = metadata[0]
+    if isinstance(scales, torch.Tensor) and scales.dim():  # rowwise scales gathered on their own (uneven rows)
+        gathered["fp8_hooks"] += world * -(-outer_size[0] // world) * (scales.numel() // outer_size[0]) * 4
     return inputs, metadata
 
 
@@ -148,6 +152,35 @@ for fp8_all_gather in (False, True):
         else None
     )
 
+
+def uneven_and_empty_rows() -> dict[int, str]:
+    """One FP8 linear alone in its FSDP2 group, its weight [N, 256] with N = world - 1 and world + 1
+    (some ranks hold no row) and 2 * world + 1 (an uneven last shard): forward and weight gradient
+    with the FP8 all-gather against the bf16 one, bit for bit, for each N."""
+    x = torch.randn(8, 256, generator=torch.Generator().manual_seed(5))
+    found = {}
+    for rows in (world - 1, world + 1, 2 * world + 1):
+        runs = []
+        for fp8 in (False, True):
+            linear = build(configs[False], seed=0).layers["0"].feed_forward.w1
+            linear.weight = torch.nn.Parameter(torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)))
+            if fp8:
+                linear.use_fp8_all_gather()
+            fully_shard(linear, mp_policy=mp)
+            try:
+                out = linear(x)
+                out.float().square().mean().backward()
+            except Exception as error:
+                found[rows] = f"{type(error).__name__}: {error}"
+                break
+            runs.append((out.detach(), linear.weight.grad.full_tensor()))
+        if len(runs) == 2:
+            (out_bf16, grad_bf16), (out_fp8, grad_fp8) = runs
+            equal = torch.equal(out_bf16, out_fp8) and torch.equal(grad_bf16, grad_fp8)
+            found[rows] = "equal" if equal else "different"
+    return found
+
+
 (l0, g0, b0, s0), (l1, g1, b1, s1) = runs[False], runs[True]
 assert all(type(v) is torch.Tensor for v in s1.values()), "state dict must hold plain tensors"
 assert {k: (v.shape, v.dtype) for k, v in s0.items()} == {k: (v.shape, v.dtype) for k, v in s1.items()}
@@ -167,6 +200,7 @@ print_every_rank(
         # all of each step's all-gathers, and the FP8 weights' alone, gathered in bf16 and in FP8
         "all_gathered_bytes": {"bf16": off, "fp8": on},
         "fp8_weight_bytes": {"bf16": bf16_payload, "fp8": fp8_payload},
+        "uneven_and_empty_rows": uneven_and_empty_rows() if "shapes" in options else None,
     }
 )
 dist.barrier()

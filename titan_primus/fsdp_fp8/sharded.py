@@ -125,32 +125,42 @@ class Fp8AllGatherWeight(torch.Tensor):
                 _check_amax(self, amax, mesh.get_group(), padded_rows, module, tuple(outer_size))
             amax = amax.to(dtypes[0]).to(dtypes[1])
         data, scale = quantize_weight(shard, plan, amax)
-        data = _pad_rows(data, padded_rows)  # uneven sharding: zero rows, cut off after the gather
-        tensorwise = plan.granularity == "tensorwise"
-        metadata = (scale if tensorwise else None, tuple(outer_size), dtypes[1], data.dtype)
+        # Uneven sharding: zero rows, cut off after the gather. FSDP2 chunks dim 0 with the padding
+        # at the end, so the first rows gathered are the weight's.
+        data = _pad_rows(data, padded_rows)
         # Gathered as bytes: FSDP2 gives a group whose inputs are all FP8 (a weight alone in its
         # group) a float8 buffer, which gloo cannot all-gather ("Invalid scalar type").
         payload = data.view(torch.uint8)
-        return ((payload,) if tensorwise else (payload, scale)), metadata
+        shape = tuple(outer_size)
+        if plan.granularity == "tensorwise":
+            return (payload,), (scale, shape, dtypes[1], data.dtype)
+        if shard_dim == 0 and outer_size[0] % world:
+            # FSDP2 takes from an unevenly sharded weight only inputs of its padded shard's size,
+            # which a column of per-row scales is not: they travel in an all-gather of their own,
+            # on every rank alike (one small collective per gather of such a weight).
+            scales = _all_gathered_rows(_pad_rows(scale, padded_rows), mesh.get_group())[: outer_size[0]]
+            return (payload,), (scales, shape, dtypes[1], data.dtype)
+        return (payload, scale), (None, shape, dtypes[1], data.dtype)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         first, outer_size, source_dtype, payload_dtype = metadata
         if self._round_led is not None:  # this weight's all-gather round is over
             self._round_led.open = False
         high_precision = first is _HIGH_PRECISION
-        tensorwise_scale = None if high_precision else first
+        # The scale, where it travelled in the metadata: tensorwise, or rowwise gathered on its own.
+        known_scale = None if high_precision else first
         # FSDP2 hands each output back as [world * dim-0 rows of a shard, ...]; the memory is the
         # padded weight in order (dim-0 shards stacked; other shards concatenated back by FSDP2).
         data = all_gather_outputs[0].view(payload_dtype).view(-1, *outer_size[1:])[: outer_size[0]]
         if out is not None:  # the unsharded parameter exists; its payload was gathered in place
-            if tensorwise_scale is not None:
-                (out._local_tensor if isinstance(out, DTensor) else out)._scale = tensorwise_scale
+            if known_scale is not None:
+                (out._local_tensor if isinstance(out, DTensor) else out)._scale = known_scale
             return
         if high_precision:
             return data, tuple(all_gather_outputs)
         scale = (
-            tensorwise_scale
-            if tensorwise_scale is not None
+            known_scale
+            if known_scale is not None
             else all_gather_outputs[1].view(-1, *outer_size[1:-1], 1)[: outer_size[0]]
         )
         # The gathered weight views the first rows; FSDP2 frees and reallocates the whole
@@ -164,9 +174,9 @@ _HIGH_PRECISION = "high precision"
 
 
 def _why_high_precision(plan: Fp8AllGatherPlan, outer_size, shard_dim: int, world: int) -> str | None:
-    """Why FSDP2 cannot gather this weight's FP8 payload and scales exactly, if it cannot: it
-    wants every all-gather input padded like the weight's shard, which a column of per-row
-    scales is not, and for shards on dims other than 0 it re-views each input as the shard."""
+    """Why FSDP2 cannot gather this weight's FP8 payload and scales exactly, if it cannot: for
+    shards on dims other than 0 it re-views each input as the shard, which a column of per-row
+    scales is not. On dim 0 the payload and the scales are padded alike (uneven and empty shards)."""
     if plan.granularity != "rowwise" or world == 1:
         return None
     if shard_dim != 0:
@@ -174,8 +184,6 @@ def _why_high_precision(plan: Fp8AllGatherPlan, outer_size, shard_dim: int, worl
             f"FSDP2 shards it on dim {shard_dim} (TorchTitan does for expert weights when the FSDP "
             f"degree exceeds the number of experts), where it cannot gather per-row scales"
         )
-    if outer_size[0] % world:
-        return f"its {outer_size[0]} rows do not divide by the FSDP degree ({world}), so the per-row scales cannot be padded"
     return None
 
 
@@ -195,6 +203,15 @@ def _shared_with(module) -> str | None:
 @functools.cache
 def _warn_high_precision(shape: tuple, why: str) -> None:
     logger.warning("titan-primus: an FP8 layer's weight of shape %s is all-gathered in high precision: %s", shape, why)
+
+
+def _all_gathered_rows(t: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's ``t`` (the same shape on each), stacked on dim 0 in rank order."""
+    whole = t.new_empty((t.shape[0] * dist.get_world_size(group), *t.shape[1:]))
+    # torch 2.14 names it all_gather_single (all_gather_into_tensor, deprecated there, calls it).
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(whole, t.contiguous(), group=group)
+    return whole
 
 
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -298,9 +315,7 @@ def _check_amax(weight: Fp8AllGatherWeight, amax, group, padded_rows: int, modul
     """Raise unless ``amax`` is the amax of the whole weight as an independent path computes it:
     every rank's shard all-gathered in the weight's own dtype (a debug check: a whole weight's
     traffic)."""
-    shard = _pad_rows(weight._tensor.detach(), padded_rows)
-    whole = shard.new_empty((shard.shape[0] * dist.get_world_size(group), *shard.shape[1:]))
-    dist.all_gather_into_tensor(whole, shard.contiguous(), group=group)
+    whole = _all_gathered_rows(_pad_rows(weight._tensor.detach(), padded_rows), group)
     fresh = whole.abs().amax().to(torch.float32).to(amax.device)
     if not torch.equal(fresh, amax):
         sharded = weight.sharded()
