@@ -97,7 +97,9 @@ def test_quick_run_as_installed_passes_and_records_every_step(quick):
         assert all(s["tps"] > 0 and s["memory_bytes"] > 0 and s["grad_norm"] > 0 for s in run["steps"]), role
         assert "torch.distributed.run" in run["command"]
         # The trainer ran the installed package's launcher, not the clone's.
-        assert str(installed / "titan_primus" / "cli" / "validate" / "launch.py") in run["command"], run["command"]
+        assert str(installed / "titan_primus" / "diagnostics" / "validate" / "launch.py") in run["command"], run[
+            "command"
+        ]
     assert result["runs"]["last_bit_floor"]["last_bit_flipped"] > 0
     assert result["runs"]["fp8"]["config"] == "llama3_debugmodel_fp8"
     assert "titan-primus FP8 routing" in result["routing"] and "emulated" in result["routing"]
