@@ -3,8 +3,8 @@
 import pytest
 import torch
 from helpers import make_offsets
+from host_reads import HostReads
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import titan_primus as tp
 
@@ -63,23 +63,6 @@ def test_grouped_mm_errors(overrides, message):
 def test_select_backend_rejects_unknown_op():
     with pytest.raises(ValueError, match="unknown op 'conv'"):
         tp.select_backend("conv")
-
-
-class HostReads(TorchDispatchMode):
-    """Counts the ops that read a tensor on the host (each one a device-to-host sync on a GPU)
-    and the device-side asserts."""
-
-    def __init__(self):
-        super().__init__()
-        self.host_reads = 0
-        self.device_asserts = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        to_host = func is torch.ops.aten._to_copy.default and str(kwargs.get("device")) == "cpu"
-        self.host_reads += func is torch.ops.aten._local_scalar_dense.default or to_host
-        self.device_asserts += func is torch.ops.aten._assert_async.msg
-        return func(*args, **kwargs)
 
 
 def test_grouped_mm_adds_no_host_sync_on_a_gpu():

@@ -16,6 +16,7 @@ import os
 import pytest
 import torch
 from closeness import relative_gaps
+from host_reads import HostReads
 from titan_helpers import ROOT, run_trainer
 
 from real_turbo.conftest import ARCH, BUILD, one_arch
@@ -163,26 +164,10 @@ def test_a_route_passing_a_wrong_length_lse_or_output_fails(wrong, monkeypatch):
     assert passes == (wrong == "none"), (wrong, db)
 
 
-class _HostSyncs(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts the ops that make a host wait for a GPU: a tensor read into Python (``.item()``:
-    ``_local_scalar_dense``) and ops whose output size depends on the data (``nonzero``). On a
-    CPU nothing waits, but the same ops run, so the count is the GPU's."""
-
-    SYNCING = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default}
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func in self.SYNCING
-        return func(*args, **(kwargs or {}))
-
-
 def _syncs(fn) -> int:
-    with _HostSyncs() as counted:
+    with HostReads() as counted:
         fn()
-    return counted.count
+    return counted.syncs
 
 
 def test_the_route_adds_no_host_sync_per_layer_and_the_varlen_masks_one_per_sequence_and_step():

@@ -120,9 +120,9 @@ def route_attention(
     if site.unmappable:
         return AttentionRoute(fqn, None, False, site.unmappable)
     kernels = chosen.attention()
-    fp8_refused = (fp8_attention_refusal(site) or None) if fp8 and kernels.fp8 else None
-    if fp8 and not kernels.fp8:
-        fp8_refused = f"the {chosen.name} backend has no FP8 attention"
+    fp8_refused = None
+    if fp8:
+        fp8_refused = fp8_attention_refusal(site) if kernels.fp8 else f"the {chosen.name} backend has no FP8 attention"
     if fp8 and fp8_refused is None:
         return AttentionRoute(fqn, chosen.name, True, f"{site.describe()}; {available}", kernels(device, True))
     refused = f"; FP8 attention refused: {fp8_refused}" if fp8_refused else ""
