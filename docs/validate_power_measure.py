@@ -32,7 +32,7 @@ import regressions  # noqa: E402
 from titan_primus.diagnostics.results import load_document  # noqa: E402
 from titan_primus.diagnostics.validate.run import ConfigPlan, judge_document, run_trainer  # noqa: E402
 from titan_primus.diagnostics.validate.judge import compare_with_baseline, fp8_engaged  # noqa: E402
-from titan_primus.diagnostics.validate.lines import trainer_line  # noqa: E402
+from titan_primus.integrations.torchtitan import trainer_line  # noqa: E402
 
 MODELS = {
     "llama3": ["--quick"],

@@ -2,7 +2,7 @@
 
 Trains TorchTitan 0.3's llama3 debug model (dense) and deepseek_v3 debug model (MoE) for a few
 steps each with ``--module titan_primus``, launched by torchrun through the CPU launcher when
-there is no GPU, on the tokenizer and corpus shipped in titan_primus/cpu_trainer/assets. Prints titan-primus's
+there is no GPU, on the tokenizer and corpus shipped in titan_primus/integrations/torchtitan/common/assets. Prints titan-primus's
 routing report and the losses, next to a run of the same model without the converter.
 
 ``--recipe mxfp8`` (or ``make demo RECIPE=mxfp8``) trains with another FP8 recipe: any of
@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from titan_primus.cpu_trainer import CORPUS, LAUNCHER, TOKENIZER
+from titan_primus.integrations.torchtitan.common.debug_data import CORPUS, TOKENIZER
+from titan_primus.integrations.torchtitan.v0_3.trainer import LAUNCHER
 from titan_primus.recipes import RECIPE_NAMES
 
 EXAMPLES = Path(__file__).resolve().parent

@@ -2,16 +2,16 @@
 
 Writes (deterministically, no downloads):
 
-* ``titan_primus/cpu_trainer/assets/corpus/data.jsonl``: JSON lines, one ``{"text": ...}``
+* ``titan_primus/integrations/torchtitan/common/assets/corpus/data.jsonl``: JSON lines, one ``{"text": ...}``
   document per line -- the format TorchTitan's ``c4_test`` dataset reads
   (``load_dataset(<dir>, split="train")``). Pass the folder with
-  ``--dataloader.dataset_path titan_primus/cpu_trainer/assets/corpus``.
-* ``titan_primus/cpu_trainer/assets/tokenizer/{tokenizer.json,tokenizer_config.json}``: a
+  ``--dataloader.dataset_path titan_primus/integrations/torchtitan/common/assets/corpus``.
+* ``titan_primus/integrations/torchtitan/common/assets/tokenizer/{tokenizer.json,tokenizer_config.json}``: a
   ByteLevel BPE tokenizer with 2000 tokens (the llama3 / deepseek_v3 / qwen3
   debug models have vocab_size 2048), trained on that corpus. Its
   ``tokenizer_config.json`` names the BOS/EOS tokens the way TorchTitan's
   ``HuggingFaceTokenizer`` expects. Pass the folder with
-  ``--hf_assets_path titan_primus/cpu_trainer/assets/tokenizer``.
+  ``--hf_assets_path titan_primus/integrations/torchtitan/common/assets/tokenizer``.
 
 Run from anywhere:  python examples/make_assets.py
 """
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from tokenizers import decoders, models, pre_tokenizers, processors, Tokenizer, trainers
 
-ASSETS = Path(__file__).resolve().parent.parent / "titan_primus" / "cpu_trainer" / "assets"
+ASSETS = Path(__file__).resolve().parent.parent / "titan_primus" / "integrations" / "torchtitan" / "common" / "assets"
 SEED = 1234
 NUM_DOCS = 700
 VOCAB_SIZE = 2000

@@ -33,13 +33,13 @@ from torchtitan.distributed.utils import set_spmd_backend
 from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, TorchAOTokenDispatcher
 
 from titan_helpers import print_every_rank  # also the CPU launcher's device patches
-from titan_primus.cpu_trainer.world import exit_without_teardown
+from titan_primus.integrations.torchtitan.common.cpu_world import exit_without_teardown
 
 import titan_primus as tp
 from titan_primus.device import device_profile
 from dispatch_overrides import copy_in_bf16_config
 from titan_primus.recipes import with_fp8_dispatch
-from titan_primus.torchtitan.token_dispatch import fp8_dispatcher_config
+from titan_primus.integrations.torchtitan.v0_3.dispatch import fp8_dispatcher_config
 
 _ALL_TO_ALL = {torch.ops._c10d_functional.all_to_all_single.default}
 
@@ -192,7 +192,9 @@ def main(recipe_name: str, definition: str, arch: str, padded: bool, mode: str, 
     }
     print_every_rank(summary)
     dist.barrier()
-    exit_without_teardown(0)  # see titan_primus/cpu_trainer/world.py: gloo processes can abort in interpreter teardown
+    exit_without_teardown(
+        0
+    )  # see titan_primus/integrations/torchtitan/common/cpu_world.py: gloo processes can abort in interpreter teardown
 
 
 if __name__ == "__main__":

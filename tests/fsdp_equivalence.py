@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from titan_helpers import build, model_config, print_every_rank
 
-from titan_primus.cpu_trainer.world import exit_without_teardown
+from titan_primus.integrations.torchtitan.common.cpu_world import exit_without_teardown
 
 from titan_primus.torchtitan import Float8Converter
 
@@ -36,4 +36,6 @@ apart = [
 ]
 print_every_rank({"forward_equal": torch.equal(outputs[0], outputs[1]), "gradients_apart": apart})
 dist.barrier()
-exit_without_teardown(0)  # see titan_primus/cpu_trainer/world.py: gloo processes can abort in interpreter teardown
+exit_without_teardown(
+    0
+)  # see titan_primus/integrations/torchtitan/common/cpu_world.py: gloo processes can abort in interpreter teardown

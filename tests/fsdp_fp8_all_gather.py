@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from titan_helpers import build, model_config, print_every_rank
 
-from titan_primus.cpu_trainer.world import exit_without_teardown
+from titan_primus.integrations.torchtitan.common.cpu_world import exit_without_teardown
 
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
@@ -204,4 +204,6 @@ print_every_rank(
     }
 )
 dist.barrier()
-exit_without_teardown(0)  # see titan_primus/cpu_trainer/world.py: gloo processes can abort in interpreter teardown
+exit_without_teardown(
+    0
+)  # see titan_primus/integrations/torchtitan/common/cpu_world.py: gloo processes can abort in interpreter teardown

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import set_model_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from titan_primus.cpu_trainer.world import exit_without_teardown
+from titan_primus.integrations.torchtitan.common.cpu_world import exit_without_teardown
 from titan_primus.fsdp_fp8 import Fp8AllGatherWeight
 from titan_primus.fsdp_fp8 import sharded as sharded_module
 from titan_primus.torchtitan import Float8Converter

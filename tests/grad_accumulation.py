@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from titan_helpers import build, model_config, print_every_rank
 
-from titan_primus.cpu_trainer.world import exit_without_teardown
+from titan_primus.integrations.torchtitan.common.cpu_world import exit_without_teardown
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import titan_primus as tp
@@ -78,4 +78,6 @@ for backend, device in BACKENDS:
     }
 print_every_rank(results)
 dist.barrier()
-exit_without_teardown(0)  # see titan_primus/cpu_trainer/world.py: gloo processes can abort in interpreter teardown
+exit_without_teardown(
+    0
+)  # see titan_primus/integrations/torchtitan/common/cpu_world.py: gloo processes can abort in interpreter teardown

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from titan_helpers import build, model_config, print_line
 
-from titan_primus.cpu_trainer.world import exit_without_teardown
+from titan_primus.integrations.torchtitan.common.cpu_world import exit_without_teardown
 
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -69,4 +69,6 @@ print_line(
 del saved
 loss.backward()
 dist.barrier()
-exit_without_teardown(0)  # see titan_primus/cpu_trainer/world.py: gloo processes can abort in interpreter teardown
+exit_without_teardown(
+    0
+)  # see titan_primus/integrations/torchtitan/common/cpu_world.py: gloo processes can abort in interpreter teardown

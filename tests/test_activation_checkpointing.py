@@ -122,7 +122,7 @@ def test_config_registry_and_override_select_it():
     from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 
     from titan_primus import config_registry
-    from titan_primus.torchtitan.activation_checkpoint import with_fp8_gemms_saved
+    from titan_primus.integrations.torchtitan.v0_3.activation_checkpoint import with_fp8_gemms_saved
     from titan_primus.torchtitan.overrides import fp8_selective_ac
 
     config = config_registry.llama3_debugmodel_fp8()
@@ -142,7 +142,7 @@ def test_config_registry_and_override_select_it():
 
 
 def assert_fp8_gemms_alternate(model_spec_model, ac_config) -> None:
-    from titan_primus.cpu_trainer.launch import use_causal_sdpa
+    from titan_primus.integrations.torchtitan.v0_3.launch import use_causal_sdpa
     from torchtitan.distributed.activation_checkpoint import SelectiveAC
 
     assert isinstance(ac_config, SelectiveAC.Config)  # per-op selective, whichever class
@@ -165,8 +165,9 @@ def test_python_config_warns_once_and_its_one_line_fix_keeps_the_gemms(caplog, m
     with that line, the FP8 GEMMs are in the policy."""
     from torchtitan.models.llama3 import model_registry
 
-    from titan_primus.torchtitan import converter, with_fp8_gemms_saved
-    from titan_primus.torchtitan.converter import SELECTIVE_AC_FIX
+    from titan_primus.integrations.torchtitan.v0_3 import converter
+    from titan_primus.integrations.torchtitan.v0_3.converter import SELECTIVE_AC_FIX
+    from titan_primus.torchtitan import with_fp8_gemms_saved
 
     monkeypatch.setattr(converter, "_selective_ac_fix_logged", False)  # as in a fresh process
     config = stock_llama3_debug_config()
@@ -183,7 +184,7 @@ def test_python_config_warns_once_and_its_one_line_fix_keeps_the_gemms(caplog, m
 def test_ready_config_keeps_the_gemms(caplog, monkeypatch):
     """``--module titan_primus --config llama3_debugmodel_fp8``: nothing to add, nothing warned."""
     from titan_primus import config_registry
-    from titan_primus.torchtitan.converter import SELECTIVE_AC_FIX
+    from titan_primus.integrations.torchtitan.v0_3.converter import SELECTIVE_AC_FIX
 
     monkeypatch.setenv("TITAN_PRIMUS_BACKEND", "emulated")
     with caplog.at_level("WARNING", logger="titan_primus"):

@@ -1,4 +1,4 @@
-"""The attention route on TorchTitan 0.3 (titan_primus.attention, titan_primus.torchtitan.attention):
+"""The attention route on TorchTitan 0.3 (titan_primus.attention, titan_primus.integrations.torchtitan.v0_3.attention):
 which layers go where and why, the masks and scale kept, FP8 attention where its definition
 holds (the emulation here), refused with the reason elsewhere, compiled and checkpointed.
 
@@ -29,7 +29,11 @@ from titan_primus.device import device_profile
 from titan_primus.hookspec import hookimpl
 from titan_primus.checkpointing import attention_save_ops
 from titan_primus.torchtitan import Float8Converter
-from titan_primus.torchtitan.attention import PrimusTurboSDPA, PrimusTurboVarlenAttention, flash_window
+from titan_primus.integrations.torchtitan.v0_3.attention import (
+    PrimusTurboSDPA,
+    PrimusTurboVarlenAttention,
+    flash_window,
+)
 
 ATTENTION_ONLY = {"linears": False, "grouped_experts": False}
 

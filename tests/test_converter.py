@@ -223,10 +223,10 @@ def test_a_torchtitan_without_has_quantization_warns_and_converts(monkeypatch, c
     the MFU line depends on it, so conversion goes on, saying what moved and what it costs."""
     from torchtitan.components.quantization import utils
 
-    from titan_primus.torchtitan import converter
+    from titan_primus.integrations.torchtitan.v0_3 import seams
 
     monkeypatch.delattr(utils, "has_quantization")
-    converter._warn_has_quantization_moved.cache_clear()
+    seams._warn_has_quantization_moved.cache_clear()
     with caplog.at_level(logging.WARNING, logger="titan_primus"):
         _, report = convert(device="cpu")
     assert report.converted()

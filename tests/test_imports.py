@@ -94,3 +94,42 @@ def test_the_library_never_imports_its_cli():
         if not (name == "titan_primus.cli" or name.startswith("titan_primus.cli."))
     }
     assert {name: found for name, found in offenders.items() if found} == {}
+
+
+INTEGRATION = "titan_primus.integrations.torchtitan"
+
+
+def _external_imports(path: Path) -> set[str]:
+    """The top-level packages outside titan_primus that ``path`` imports anywhere in its file."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+def test_only_the_torchtitan_integration_imports_torchtitan():
+    """Issue 41: one subtree per framework. The public adapter packages (titan_primus.torchtitan,
+    titan_primus.torchtitan02, titan_primus.config_registry) re-export it and import no TorchTitan."""
+    assert "torchtitan" in _external_imports(MODULES[f"{INTEGRATION}.v0_3.converter"])  # the reader sees them
+    offenders = sorted(
+        name
+        for name, path in MODULES.items()
+        if not (name == INTEGRATION or name.startswith(f"{INTEGRATION}.")) and "torchtitan" in _external_imports(path)
+    )
+    assert offenders == []
+
+
+def test_no_torchtitan_line_imports_the_other():
+    lines = ("v0_2", "v0_3")
+    crossings = {
+        name: sorted(
+            t for t in GRAPH[name] for other in lines if other != line and t.startswith(f"{INTEGRATION}.{other}")
+        )
+        for line in lines
+        for name in MODULES
+        if name.startswith(f"{INTEGRATION}.{line}")
+    }
+    assert {name: found for name, found in crossings.items() if found} == {}

@@ -89,12 +89,24 @@ def test_a_missing_torchtitan_says_which_extra_to_install(messages):
 # line module's own symbol: (module, symbol, titan-primus's file that imports it).
 _FIRST_HAND = {
     "0.3": [
-        ("torchtitan.components.quantization.utils", "swap_token_dispatcher", "titan_primus/torchtitan/converter.py"),
-        ("torchtitan.protocols.model", "ModelConfigConverter", "titan_primus/torchtitan/__init__.py"),
+        (
+            "torchtitan.components.quantization.utils",
+            "swap_token_dispatcher",
+            "titan_primus/integrations/torchtitan/v0_3/converter.py",
+        ),
+        (
+            "torchtitan.protocols.model",
+            "ModelConfigConverter",
+            "titan_primus/integrations/torchtitan/v0_3/converter.py",
+        ),
     ],
     "0.2": [
-        ("torchtitan.models.moe.moe", "GroupedExperts", "titan_primus/torchtitan02/converter.py"),
-        ("torchtitan.protocols.model_converter", "register_model_converter", "titan_primus/torchtitan02/__init__.py"),
+        ("torchtitan.models.moe.moe", "GroupedExperts", "titan_primus/integrations/torchtitan/v0_2/converter.py"),
+        (
+            "torchtitan.protocols.model_converter",
+            "register_model_converter",
+            "titan_primus/integrations/torchtitan/v0_2/converter.py",
+        ),
     ],
 }
 _MOVED = """

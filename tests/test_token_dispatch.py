@@ -38,7 +38,7 @@ from titan_primus.recipes import (
 )
 from titan_primus.fp8.scaling import fake_quantize, quantize_per_group
 from titan_primus.token_dispatch import _pack, _unpack, fp8_copy, fp8_dispatch_cast, packed_row_bytes
-from titan_primus.torchtitan.token_dispatch import fp8_dispatcher_config
+from titan_primus.integrations.torchtitan.v0_3.dispatch import fp8_dispatcher_config
 
 HERE = Path(__file__).parent
 # (recipe, definition, device profile) of every recipe that sends its tokens in FP8.

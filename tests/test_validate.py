@@ -371,7 +371,7 @@ def test_primus_turbo_named_on_a_cpu_fails_before_training(tmp_path):
 
 def test_the_fp8_only_options_reach_the_fp8_runs_only():
     from titan_primus.diagnostics.validate.run import fp8_options, plans
-    from titan_primus.diagnostics.validate.lines import Line03
+    from titan_primus.integrations.torchtitan.v0_3.trainer import Line03
 
     args = build_parser().parse_args(
         ["validate", "--quick", "--backend", "torchao", "--fp8-dispatch", "--filter-fqns", "router.gate,output"]
@@ -451,16 +451,17 @@ def test_the_injected_casts_are_the_regressions_they_name():
 def test_under_pipeline_parallelism_the_steps_come_from_the_last_stage(tmp_path):
     """2 gloo ranks, pipeline parallel degree 2: rank 0 (the first stage) logs a loss of -1.0, the
     last stage the real one; validate records the last stage's, once per step."""
-    from titan_primus import cpu_trainer
+    from titan_primus.integrations.torchtitan.common import debug_data
+    from titan_primus.integrations.torchtitan.v0_3.trainer import LAUNCHER
     from titan_primus.diagnostics.validate import run as command
     from titan_primus.diagnostics.validate.launch import CPU_LAUNCHER_ENV, METRICS_ENV
 
     metrics = tmp_path / "metrics.jsonl"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    env.update({METRICS_ENV: str(metrics), CPU_LAUNCHER_ENV: str(cpu_trainer.LAUNCHER)})
+    env.update({METRICS_ENV: str(metrics), CPU_LAUNCHER_ENV: str(LAUNCHER)})
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     cmd += [str(command.LAUNCH_SCRIPT), "--module", "llama3", "--config", "llama3_debugmodel"]
-    cmd += ["--hf_assets_path", str(cpu_trainer.TOKENIZER), "--dataloader.dataset_path", str(cpu_trainer.CORPUS)]
+    cmd += ["--hf_assets_path", str(debug_data.TOKENIZER), "--dataloader.dataset_path", str(debug_data.CORPUS)]
     cmd += ["--training.steps", "2", "--training.seq_len", "64", "--training.local_batch_size", "2"]
     cmd += ["--metrics.log_freq", "1", "--checkpoint.no-enable", "--validator.no-enable"]
     cmd += ["--dump_folder", str(tmp_path / "dump"), "--parallelism.pipeline_parallel_degree", "2"]
@@ -482,7 +483,7 @@ def test_the_readme_upgrade_command_takes_its_configs_from_the_baseline(quick):
     """`titan-primus validate --baseline last-good.json` on a GPU (no --config): the baseline's
     configs and settings, each overridable on the command line."""
     from titan_primus.diagnostics.validate.run import plans
-    from titan_primus.diagnostics.validate.lines import Line03
+    from titan_primus.integrations.torchtitan.v0_3.trainer import Line03
 
     _, _, _, doc, _ = quick
     args = build_parser().parse_args(["validate", "--baseline", "last-good.json"])

@@ -20,8 +20,9 @@ from repo_root import ROOT
 # The CPU launcher's attention swap (FlexAttention has no CPU backward), reused for models
 # built in-process. Importing it also points TorchTitan's device helpers at the CPU.
 # trainer_flags: the flags for a run's size and data on TorchTitan 0.3.0 or main (2026-08-21).
-from titan_primus.cpu_trainer import CORPUS, LAUNCHER, TOKENIZER  # noqa: E402
-from titan_primus.cpu_trainer.launch import TOKENS_1D, trainer_flags, use_causal_sdpa  # noqa: E402
+from titan_primus.integrations.torchtitan.common.debug_data import CORPUS, TOKENIZER  # noqa: E402
+from titan_primus.integrations.torchtitan.v0_3.trainer import LAUNCHER  # noqa: E402
+from titan_primus.integrations.torchtitan.v0_3.launch import TOKENS_1D, trainer_flags, use_causal_sdpa  # noqa: E402
 
 MODEL_REGISTRIES = {
     "llama3": "torchtitan.models.llama3",

@@ -14,7 +14,7 @@ from titan_primus.backends.base import TensorParallelShards
 from titan_primus.metrics import sqnr
 from titan_helpers import print_every_rank
 
-from titan_primus.cpu_trainer.world import exit_without_teardown  # noqa: E402
+from titan_primus.integrations.torchtitan.common.cpu_world import exit_without_teardown  # noqa: E402
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
@@ -62,4 +62,6 @@ aware = layouts(TensorParallelShards(group, None, 0, 1), TensorParallelShards(gr
 unaware = layouts(None, None)
 print_every_rank({"recipe": recipe_name, "device": device, "with_shards_db": aware, "without_db": unaware})
 dist.barrier()
-exit_without_teardown(0)  # see titan_primus/cpu_trainer/world.py: gloo processes can abort in interpreter teardown
+exit_without_teardown(
+    0
+)  # see titan_primus/integrations/torchtitan/common/cpu_world.py: gloo processes can abort in interpreter teardown

@@ -22,7 +22,7 @@ if not version("torchtitan").startswith("0.2."):
     )
 
 # Before anything imports torchtitan: the launcher's CPU workarounds apply when first imported.
-import titan_primus.cpu_trainer.launch02  # noqa: E402,F401
+import titan_primus.integrations.torchtitan.v0_2.launch  # noqa: E402,F401
 
 
 from isolation import _seed_and_fresh_routing  # noqa: E402,F401  (autouse fixture)

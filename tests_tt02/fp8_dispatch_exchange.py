@@ -15,11 +15,11 @@ line per case on rank 0: a list of every rank's checks."""
 import json
 import sys
 
-import titan_primus.cpu_trainer.launch02  # noqa: F401  (before torchtitan: the CPU device, the CPU permute indices)
+import titan_primus.integrations.torchtitan.v0_2.launch  # noqa: F401  (before torchtitan: the CPU device, the CPU permute indices)
 import torch
 import torch.distributed as dist
 import torchtitan.models.moe.utils as moe_utils
-from titan_primus.cpu_trainer.world import exit_without_teardown
+from titan_primus.integrations.torchtitan.common.cpu_world import exit_without_teardown
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -31,7 +31,7 @@ from titan_primus.recipes import with_fp8_dispatch
 from titan_primus.routing import select_backend
 from titan_primus.token_dispatch import fp8_copy, fp8_dispatch_cast
 from titan_primus.torchtitan02 import Fp8GroupedExperts
-from titan_primus.torchtitan02.token_dispatch import Fp8ExpertParallel
+from titan_primus.integrations.torchtitan.v0_2.dispatch import Fp8ExpertParallel
 
 _ALL_TO_ALL = {
     torch.ops._c10d_functional.all_to_all_single.default,
@@ -58,7 +58,9 @@ def main(cases: list[tuple[str, str, int]]) -> None:
     for recipe_name, arch, alignment in cases:
         run_case(mesh, recipe_name, arch, alignment)
     dist.barrier()
-    exit_without_teardown(0)  # see titan_primus/cpu_trainer/world.py: gloo processes can abort in interpreter teardown
+    exit_without_teardown(
+        0
+    )  # see titan_primus/integrations/torchtitan/common/cpu_world.py: gloo processes can abort in interpreter teardown
 
 
 def run_case(mesh, recipe_name: str, arch: str, alignment: int) -> None:

@@ -8,7 +8,7 @@ from helpers import sgd_losses
 from torchtitan.models.attention import FlexAttentionWrapper, ScaledDotProductAttentionWrapper
 from tt02_helpers import EXAMPLES, convert, materialize, meta_model, run_trainer, tokens
 
-from titan_primus.torchtitan02.attention import PrimusTurboSDPAWrapper
+from titan_primus.integrations.torchtitan.v0_2.attention import PrimusTurboSDPAWrapper
 
 ATTENTION_ONLY = {"linears": False, "grouped_experts": False}
 

@@ -59,3 +59,13 @@ def test_torchtitan_0_2_has_no_quantization_flag_to_set():
     `"float8" in job_config.model.converters`, picks TorchAO's Float8 tensor-parallel plans and
     rightly stays False for titan_primus.float8 (its modules are not TorchAO's)."""
     assert "has_quantization" not in inspect.signature(MetricsProcessor.__init__).parameters
+
+
+def test_every_seam_of_the_0_2_line_finds_its_target():
+    """Issue 41: each patch of TorchTitan 0.2.x's internals is declared in v0_2/seams.py, and each
+    target is in TorchTitan 0.2.2 (``titan-primus doctor`` lists them)."""
+    from titan_primus.integrations.torchtitan import line_seams
+
+    version, seams = line_seams()
+    assert version.startswith("0.2") and {s.row()["missing"] for s in seams} == {None}
+    assert {s.name for s in seams} >= {"sentinel_train_step", "cpu_device", "fp8_expert_parallel"}

@@ -18,8 +18,8 @@ from tt02_helpers import EXAMPLES, ROOT, convert, materialize, meta_model, paral
 
 from titan_primus.token_dispatch import fp8_copy
 from titan_primus.torchtitan02 import Fp8GroupedExperts
-from titan_primus.torchtitan02 import token_dispatch as tt02_dispatch
-from titan_primus.torchtitan02.token_dispatch import Fp8ExpertParallel
+from titan_primus.integrations.torchtitan.v0_2 import dispatch as tt02_dispatch
+from titan_primus.integrations.torchtitan.v0_2.dispatch import Fp8ExpertParallel
 
 DEEPSEEK_V3 = EXAMPLES / "deepseek_v3_debug_fp8.toml"
 FP8_LINE = "grouped experts: EP token dispatch in FP8 payload + scales: layers.1.moe.experts"

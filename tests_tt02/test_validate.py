@@ -1,5 +1,5 @@
 """``titan-primus validate`` on TorchTitan 0.2.x: the same runs, verdicts and JSON as on 0.3, the
-trainer launched with the job's TOML (``--job.config_file``) through titan_primus/cpu_trainer/launch02.py.
+trainer launched with the job's TOML (``--job.config_file``) through titan_primus/integrations/torchtitan/v0_2/launch.py.
 One quick run is shared by the module."""
 
 from __future__ import annotations
@@ -106,6 +106,24 @@ def test_a_config_that_is_not_a_toml_file_is_one_line(capsys):
         assert err.count("\n") == 1 and expected in err, err
 
 
+def test_the_cpu_defaults_ship_with_the_package_and_resolve_from_any_folder(tmp_path, monkeypatch):
+    """Issue 41: the package reads no file of the clone. The debug TOMLs ship as package data; the
+    names the defaults and docs use (examples/torchtitan02/, links in a clone) find them from any
+    folder, and a job's own TOML there is taken first."""
+    from titan_primus.integrations.torchtitan.v0_2.trainer import LINE, SHIPPED_CONFIGS
+
+    monkeypatch.chdir(tmp_path)
+    for model, config, _ in LINE.cpu_default:
+        assert LINE.check_plan(None, config) == model
+        assert LINE._toml(config) == SHIPPED_CONFIGS / Path(config).name
+    own = tmp_path / "examples" / "torchtitan02" / "llama3_debug_fp8.toml"
+    own.parent.mkdir(parents=True)
+    own.write_text('[model]\nname = "deepseek_v3"\n')
+    assert LINE.check_plan(None, "examples/torchtitan02/llama3_debug_fp8.toml") == "deepseek_v3"
+    with pytest.raises(ValueError, match="does not exist here"):
+        LINE.check_plan(None, "examples/torchtitan02/absent.toml")
+
+
 def test_the_mi300x_job_validates_tomls_this_line_takes():
     """ci/mi300x-image.sh's validate steps (a GPU, no --quick): their arguments parse, their TOMLs
     are the 0.2.x job's, and the FP8 runs get the converter's options (the attention step's
@@ -114,7 +132,8 @@ def test_the_mi300x_job_validates_tomls_this_line_takes():
 
     from titan_primus.cli import build_parser
     from titan_primus.diagnostics.validate.run import plans
-    from titan_primus.diagnostics.validate.lines import CONVERTER_ENV, Line02
+    from titan_primus.integrations.torchtitan.common.trainer import CONVERTER_ENV
+    from titan_primus.integrations.torchtitan.v0_2.trainer import Line02
 
     script = (ROOT / "ci" / "mi300x-image.sh").read_text().replace("\\\n", " ").splitlines()
     lines = [s for s in script if "ci/validate.sh" in s and not s.lstrip().startswith("#")]
@@ -153,7 +172,8 @@ def test_a_stock_toml_gets_the_converter_in_the_fp8_runs_only(fp8, tmp_path, mon
     from torchtitan.config import ConfigManager
 
     from titan_primus.diagnostics.validate.run import ConfigPlan
-    from titan_primus.diagnostics.validate.lines import CONVERTER_ENV, Line02
+    from titan_primus.integrations.torchtitan.common.trainer import CONVERTER_ENV
+    from titan_primus.integrations.torchtitan.v0_2.trainer import Line02
 
     text = (ROOT / TOML).read_text()
     start, end = text.index("\n[titan_primus]"), text.index("\n[optimizer]")
@@ -166,7 +186,7 @@ def test_a_stock_toml_gets_the_converter_in_the_fp8_runs_only(fp8, tmp_path, mon
     line = Line02()
     plan = ConfigPlan("llama3", str(stock), 3, 128, 2, "tensorwise")
     plan.fp8_config = line.fp8_config(plan)
-    from titan_primus.torchtitan02.converter import Float8Converter
+    from titan_primus.integrations.torchtitan.v0_2.converter import Float8Converter
 
     monkeypatch.setattr(ConfigManager, "parse_args", ConfigManager.parse_args)  # restored afterwards
     monkeypatch.setattr(Float8Converter, "__init__", Float8Converter.__init__)

@@ -16,7 +16,7 @@ from torchtitan.config import JobConfig
 from torchtitan.distributed import ParallelDims
 from repo_root import ROOT
 
-from titan_primus.cpu_trainer import LAUNCHER_02
+from titan_primus.integrations.torchtitan.v0_2.trainer import LAUNCHER as LAUNCHER_02
 from torchtitan.protocols.train_spec import get_train_spec
 
 from titan_primus.conversion import ConversionOptions

@@ -100,7 +100,7 @@ def test_only_the_decoders_attention_reaches_primus_turbo():
     from torchtitan.models.common.attention import FlexAttention
 
     from titan_primus.torchtitan import Float8Converter
-    from titan_primus.torchtitan.attention import PrimusTurboVarlenAttention
+    from titan_primus.integrations.torchtitan.v0_3.attention import PrimusTurboVarlenAttention
 
     config = importlib.import_module("torchtitan.models.kimi_k2_7").model_registry("debugmodel").model
     converter = Float8Converter.Config(

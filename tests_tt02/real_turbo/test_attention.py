@@ -16,7 +16,7 @@ from helpers import sgd_losses
 from torchtitan.models.attention import ScaledDotProductAttentionWrapper
 from tt02_helpers import convert, materialize, meta_model, tokens
 
-from titan_primus.torchtitan02.attention import PrimusTurboSDPAWrapper
+from titan_primus.integrations.torchtitan.v0_2.attention import PrimusTurboSDPAWrapper
 
 ARCH = os.environ.get("TITAN_PRIMUS_TURBO_ARCH", "gfx942")
 STEPS = 3

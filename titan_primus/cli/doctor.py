@@ -3,7 +3,8 @@
 Versions of the stack, the device profile, every registered backend (plugins included) with
 whether it is available and why not, and the routing table ``backend="auto"`` gives for each op
 and recipe. It reports and never fails: exit code 0 even where no FP8 backend is available.
-Versions come from package metadata, so nothing optional (TorchTitan, Primus-Turbo) is imported.
+Versions come from package metadata; of the optional packages only TorchTitan's modules that
+titan-primus patches are imported, to say whether each patch's target is there.
 """
 
 from __future__ import annotations
@@ -111,6 +112,23 @@ def render(diagnosis: dict) -> str:
             ],
         )
     )
+    if diagnosis["torchtitan_seams"]:
+        lines += ["", "TorchTitan internals titan-primus patches (each line's seams.py), and whether each is there:"]
+        lines.append(
+            markdown_table(
+                ["seam", "target", "written for", "here", "why patched"],
+                [
+                    [
+                        s["name"],
+                        s["target"],
+                        s["verified"],
+                        "yes" if s["present"] else f"MISSING: {s['missing']}",
+                        s["why"],
+                    ]
+                    for s in diagnosis["torchtitan_seams"]
+                ],
+            )
+        )
     if passed_over:
         lines += ["", "why backends were passed over:"]
         lines += [f"  [{n}] {name}: {why}" for (name, why), n in note.items()]

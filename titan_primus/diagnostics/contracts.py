@@ -1,11 +1,13 @@
 """What titan-primus needs of each upstream's symbols, read from the declarations the code itself
 checks (Primus-Turbo: ``release.CALLED_BY_NAME``, checked when it loads; TorchAO:
 ``torchao.linear.LINEAR_SYMBOLS`` and ``GROUPED_MM_NAMES``, checked when the backend is first
-asked whether it can run), as one table: docs/upgrades.md holds it, generated from here
+asked whether it can run; TorchTitan: each line's ``seams.SEAMS``, the internals it patches, listed
+by ``titan-primus doctor``), as one table: docs/upgrades.md holds it, generated from here
 (:func:`write_table`), and a test fails when the two differ."""
 
 from __future__ import annotations
 
+import importlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,8 +29,9 @@ class Contract:
 
 def contracts() -> list[Contract]:
     """Every upstream symbol titan-primus declares, with what it needs of it. Torch-only imports:
-    neither Primus-Turbo nor TorchAO is imported."""
+    neither Primus-Turbo, TorchAO nor TorchTitan is imported."""
     from ..backends.primus_turbo import release
+    from ..integrations.torchtitan import LINES
     from ..backends.torchao import GROUPED_MM_NAMES, VERIFIED_TORCHAO_GROUPED
     from ..backends.torchao.linear import LINEAR_SYMBOLS, VERIFIED_TORCHAO
 
@@ -52,6 +55,18 @@ def contracts() -> list[Contract]:
             VERIFIED_TORCHAO_GROUPED,
         )
     ]
+    for package in LINES.values():
+        seams = importlib.import_module(f"titan_primus.integrations.torchtitan.{package}.seams")
+        rows += [
+            Contract(
+                "TorchTitan" if seam.target.startswith("torchtitan") else "torch",
+                seam.target.replace(":", "."),
+                f"patched ({seam.name}): {seam.why}",
+                f"titan_primus/integrations/torchtitan/{package}/seams.py",
+                seam.verified,
+            )
+            for seam in seams.SEAMS
+        ]
     return rows
 
 

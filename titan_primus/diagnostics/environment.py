@@ -12,7 +12,8 @@ from datetime import UTC, datetime
 import torch
 
 from .. import __version__, registry
-from ..adapter_import import installed_version, unsupported_torchtitan
+from ..integrations.torchtitan import line_seams
+from ..integrations.torchtitan.common.imports import installed_version, unsupported_torchtitan
 from ..attention import AttentionSite, route_attention
 from ..backends.base import OPS
 from ..device import DeviceProfile, detect_device, device_profile
@@ -206,4 +207,12 @@ def diagnose(device: str | None = None) -> dict:
         "backends": _backends(profile),
         "routing": _routing(profile),
         "attention": _attention(profile),
+        "torchtitan_seams": torchtitan_seams(),
     }
+
+
+def torchtitan_seams() -> list[dict]:
+    """Every patch titan-primus makes to the installed TorchTitan line's internals, with whether its
+    target is there (empty without a supported TorchTitan). Imports the targets' modules."""
+    _, seams = line_seams()
+    return [seam.row() for seam in seams]

@@ -1,16 +1,13 @@
-"""The TorchTitan 0.3 adapter. With titan_primus.torchtitan02 (the 0.2.x one), the only part of
-titan-primus that imports TorchTitan."""
+"""The TorchTitan 0.3 adapter's public names (built in titan_primus.integrations.torchtitan.v0_3).
+With titan_primus.torchtitan02 (the 0.2.x one), the adapters users import."""
 
-from ..adapter_import import adapter_import_error
+from ..integrations.torchtitan.common.imports import adapter_import_error
 
 try:
-    # 0.3's config-tree converter protocol; TorchTitan 0.2.x has a module-swap registry instead.
-    from torchtitan.protocols.model import ModelConfigConverter  # noqa: F401
-
+    from ..integrations.torchtitan.v0_3.converter import Float8Converter
     from ..conversion import ConversionReport, LayerRoute
-    from .activation_checkpoint import Fp8SelectiveAC, with_fp8_gemms_saved
-    from .converter import Float8Converter
-    from .modules import Fp8Linear, fp8_experts_class
+    from ..integrations.torchtitan.v0_3.activation_checkpoint import Fp8SelectiveAC, with_fp8_gemms_saved
+    from ..integrations.torchtitan.v0_3.modules import Fp8Linear, fp8_experts_class
 except ImportError as e:
     raise adapter_import_error(
         e,

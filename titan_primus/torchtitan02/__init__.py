@@ -1,5 +1,6 @@
-"""The TorchTitan 0.2.x adapter: a model converter named ``titan_primus.float8``. Written against
-the converter, config and MoE APIs that 0.2.0-0.2.2 share; tested with 0.2.2.
+"""The TorchTitan 0.2.x adapter's public names (built in titan_primus.integrations.torchtitan.v0_2):
+a model converter named ``titan_primus.float8``. Written against the converter, config and MoE
+APIs that 0.2.0-0.2.2 share; tested with 0.2.2.
 
 Importing this module registers the converter with TorchTitan 0.2's converter registry. In a
 job's TOML::
@@ -16,15 +17,13 @@ job's TOML::
 On TorchTitan 0.3 use ``titan_primus.torchtitan`` (``--module titan_primus --config ...``).
 """
 
-from ..adapter_import import adapter_import_error
+from ..integrations.torchtitan.common.imports import adapter_import_error
 
 try:
-    # 0.2.x's converter registry; TorchTitan 0.3 replaced it with config-tree converters.
-    from torchtitan.protocols.model_converter import register_model_converter
-
-    from .converter import CONVERTER_NAME, Float8Converter
-    from .job_config import JobConfig
-    from .modules import Fp8GroupedExperts, Fp8Linear
+    # Importing the converter registers it with TorchTitan 0.2's converter registry.
+    from ..integrations.torchtitan.v0_2.converter import CONVERTER_NAME, Float8Converter
+    from ..integrations.torchtitan.v0_2.job_config import JobConfig
+    from ..integrations.torchtitan.v0_2.modules import Fp8GroupedExperts, Fp8Linear
 except ImportError as e:
     raise adapter_import_error(
         e,
@@ -35,7 +34,5 @@ except ImportError as e:
         line_module="torchtitan.protocols.model_converter",
         instead="On TorchTitan 0.3 use the 0.3 adapter: --module titan_primus --config <stock>_fp8",
     ) from e
-
-register_model_converter(Float8Converter, CONVERTER_NAME)
 
 __all__ = ["CONVERTER_NAME", "Float8Converter", "Fp8GroupedExperts", "Fp8Linear", "JobConfig"]

@@ -22,6 +22,8 @@ import json
 import os
 from pathlib import Path
 
+import titan_primus
+
 METRICS_ENV = "TITAN_PRIMUS_VALIDATE_METRICS"
 LAST_BIT_ENV = "TITAN_PRIMUS_VALIDATE_LAST_BIT"
 CPU_LAUNCHER_ENV = "TITAN_PRIMUS_VALIDATE_CPU_LAUNCHER"
@@ -56,10 +58,12 @@ def flip_last_bit(model) -> int:
 def main() -> None:
     cpu_launcher = os.environ.get(CPU_LAUNCHER_ENV)
     if cpu_launcher:
-        # Its device and attention workarounds must precede every other torchtitan import.
-        importlib.import_module(f"titan_primus.cpu_trainer.{Path(cpu_launcher).stem}")
+        # Its device and attention workarounds must precede every other torchtitan import (a
+        # launcher is a module of the package: titan_primus/integrations/torchtitan/<line>/launch.py).
+        package_root = Path(titan_primus.__file__).resolve().parent.parent
+        importlib.import_module(".".join(Path(cpu_launcher).resolve().relative_to(package_root).with_suffix("").parts))
 
-    from titan_primus.diagnostics.validate.lines import trainer_line
+    from titan_primus.integrations.torchtitan import trainer_line
 
     line = trainer_line()
     train = line.install_hooks(
@@ -67,7 +71,7 @@ def main() -> None:
     )
     code = train()
     if cpu_launcher:
-        from titan_primus.cpu_trainer.world import exit_without_teardown
+        from titan_primus.integrations.torchtitan.common.cpu_world import exit_without_teardown
 
         exit_without_teardown(code)
 

@@ -2,7 +2,7 @@
 the speed and memory it had, and did FP8 engage at all?
 
 For each config it runs TorchTitan's real trainer (torchrun; on a CPU through the CPU launcher
-titan-primus ships, titan_primus/cpu_trainer, the debug models on the shipped corpus) four times
+titan-primus ships, titan_primus/integrations/torchtitan, the debug models on the shipped corpus) four times
 on the same data:
 
 - ``bf16``: the stock config, no converter, at ``--seed``;
@@ -35,7 +35,8 @@ from pathlib import Path
 from ..results import document, load_document
 from .baseline import BaselineMismatch, check_baseline, mismatches, pair, refuse_mismatches
 from .judge import compare_with_baseline, judge
-from .lines import FP8_OPTIONS_ENV, TrainerLine, trainer_line
+from ...integrations.torchtitan import TrainerLine, trainer_line
+from ...integrations.torchtitan.common.trainer import FP8_OPTIONS_ENV
 
 __all__ = [
     "ConfigPlan",
@@ -275,7 +276,7 @@ def _differences(before: dict, now: dict) -> list[dict]:
 def _environment() -> dict:
     import torch
 
-    from ...adapter_import import installed_version
+    from ...integrations.torchtitan.common.imports import installed_version
     from ...backends.primus_turbo.release import describe_build
     from ...device import detect_device
     from ..environment import environment

@@ -14,11 +14,11 @@ from torch.distributed.tensor import DTensor
 from torchtitan.models.moe.moe import GroupedExperts
 from torchtitan.models.moe.utils import indices_padding_wrapper
 
-from ..fsdp_fp8 import Fp8AllGatherPlan, enable_fp8_all_gather
-from ..ops import run_grouped_mm, run_linear
-from ..recipes import Fp8Recipe
-from ..routing import RoutingDecision
-from ..token_dispatch import DispatchCast, fp8_copy, fp8_dispatch_cast
+from titan_primus.fsdp_fp8 import Fp8AllGatherPlan, enable_fp8_all_gather
+from titan_primus.ops import run_grouped_mm, run_linear
+from titan_primus.recipes import Fp8Recipe
+from titan_primus.routing import RoutingDecision
+from titan_primus.token_dispatch import DispatchCast, fp8_copy, fp8_dispatch_cast
 
 __all__ = ["Fp8Linear", "Fp8GroupedExperts"]
 

@@ -20,18 +20,18 @@ import spmd_types as spmd
 from torch.distributed.tensor import Shard
 from torchtitan.distributed.parallel_dims import MeshAxisName
 
-from ..backends.base import TensorParallelShards
-from ..conversion import check_parallelism
-from ..fsdp_fp8 import (
+from titan_primus.backends.base import TensorParallelShards
+from titan_primus.conversion import check_parallelism
+from titan_primus.fsdp_fp8 import (
     Fp8AllGatherWeight,
     disable_fp8_all_gather,
     enable_fp8_all_gather,
     fp8_all_gather_plan,
 )
-from ..ops import run_grouped_mm, run_linear
-from ..recipes import Fp8Recipe
-from ..registry import get_backend
-from ..sentinel import SentinelLayer, watch
+from titan_primus.ops import run_grouped_mm, run_linear
+from titan_primus.recipes import Fp8Recipe
+from titan_primus.registry import get_backend
+from titan_primus.sentinel import SentinelLayer, watch
 
 __all__ = ["Fp8Linear", "fp8_experts_class", "is_fp8_config"]
 

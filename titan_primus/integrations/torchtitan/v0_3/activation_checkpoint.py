@@ -22,7 +22,7 @@ from typing import Literal
 from torch.utils.checkpoint import CheckpointPolicy
 from torchtitan.distributed.activation_checkpoint import SelectiveAC
 
-from ..checkpointing import attention_save_ops, fp8_gemm_save_ops
+from titan_primus.checkpointing import attention_save_ops, fp8_gemm_save_ops
 
 __all__ = ["Fp8SelectiveAC", "with_fp8_gemms_saved"]
 

@@ -7,7 +7,7 @@ TorchTitan merges this ``JobConfig`` into its own, so the section's keys (and th
 
 from dataclasses import dataclass, field
 
-from ..conversion import ConversionOptions
+from titan_primus.conversion import ConversionOptions
 
 __all__ = ["JobConfig"]
 

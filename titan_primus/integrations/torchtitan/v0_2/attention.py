@@ -18,8 +18,8 @@ from __future__ import annotations
 from torch import nn
 from torchtitan.models.attention import FlexAttentionWrapper, ScaledDotProductAttentionWrapper, VarlenAttentionWrapper
 
-from ..attention import AttentionRoute, AttentionSite, attend
-from ..attention.call import Documents
+from titan_primus.attention import AttentionRoute, AttentionSite, attend
+from titan_primus.attention.call import Documents
 
 __all__ = ["PrimusTurboSDPAWrapper", "PrimusTurboVarlenWrapper", "attention_swaps"]
 

@@ -3,24 +3,24 @@ the model config tree so linears and MoE experts run their GEMMs on the best FP8
 
 from __future__ import annotations
 
-import functools
 import logging
-import sys
 from dataclasses import dataclass, fields
 
-import torchtitan.components.quantization.utils as quantization_utils
+# 0.3's config-tree converter protocol, imported first: on TorchTitan 0.2.x (a module-swap registry
+# instead) the adapter's import error names it.
+from torchtitan.protocols.model import ModelConfigConverter  # noqa: F401
 from torchtitan.components.quantization import QuantizationConverter
 from torchtitan.components.quantization.utils import swap_token_dispatcher
 from torchtitan.models.common.linear import Linear
 from torchtitan.models.common.moe import GroupedExperts
 
-from ..adapter_import import installed_version
-from ..recipes import with_fp8_dispatch, with_token_groups_padded_to
-from ..conversion import ConversionOptions, LayerRouter, keep_fp8_cast_rounding_under_inductor
-from ..sentinel import COMPILE_UNSUPPORTED, SentinelLayer, drive_trainer
+from titan_primus.recipes import with_fp8_dispatch, with_token_groups_padded_to
+from titan_primus.conversion import ConversionOptions, LayerRouter, keep_fp8_cast_rounding_under_inductor
+from titan_primus.sentinel import COMPILE_UNSUPPORTED, SentinelLayer
 from .attention import convert_attention
 from .modules import Fp8Linear, fp8_experts_class, is_fp8_config
-from .token_dispatch import fp8_dispatcher_config
+from .dispatch import fp8_dispatcher_config
+from .seams import follow_train_steps, recognise_fp8_in_has_quantization
 
 __all__ = ["SELECTIVE_AC_FIX", "Float8Converter", "has_fp8_conversion"]
 
@@ -45,47 +45,6 @@ def has_fp8_conversion(model_config) -> bool:
         is_fp8_config(config)
         for config_cls in (Linear.Config, GroupedExperts.Config)
         for _, config, _, _ in model_config.traverse(config_cls)
-    )
-
-
-def recognise_fp8_in_has_quantization() -> None:
-    """Make TorchTitan's ``has_quantization(model_config)`` true for converted configs.
-
-    The trainer asks it whether the model is quantized and then logs no MFU (MFU against the
-    bf16 peak misleads for FP8). In TorchTitan 0.3.0 it recognises only TorchTitan's own
-    float8/MXFP8/NVFP4 Config classes and offers no registration hook, so it is wrapped: the
-    original answer, or :func:`has_fp8_conversion`. Both places that hold the function are
-    updated (its module, and ``torchtitan.trainer``, which imported it by name). Idempotent;
-    done when a converter is built, which is before the trainer asks.
-    """
-    original = getattr(quantization_utils, "has_quantization", None)
-    if original is None:
-        # Only the MFU line depends on it: training goes on, and the user learns why MFU shows.
-        _warn_has_quantization_moved()
-        return
-    if getattr(original, "recognises_titan_primus", False):
-        return
-
-    @functools.wraps(original)
-    def has_quantization(model_config) -> bool:
-        return original(model_config) or has_fp8_conversion(model_config)
-
-    has_quantization.recognises_titan_primus = True
-    quantization_utils.has_quantization = has_quantization
-    trainer = sys.modules.get("torchtitan.trainer")
-    if trainer is not None and getattr(trainer, "has_quantization", None) is original:
-        trainer.has_quantization = has_quantization
-
-
-@functools.cache
-def _warn_has_quantization_moved() -> None:
-    logger.warning(
-        "titan-primus: TorchTitan %s has no torchtitan.components.quantization.utils.has_quantization, which "
-        "titan-primus wraps so that the trainer knows an FP8 model is quantized (titan_primus/torchtitan/"
-        "converter.py; verified on TorchTitan 0.3.0): TorchTitan moved or renamed it, so the trainer logs MFU "
-        "against the bf16 peak. Training is unaffected. Fix: install torchtitan==0.3.0, or a titan-primus "
-        "that supports this TorchTitan",
-        installed_version("torchtitan"),
     )
 
 
@@ -135,13 +94,11 @@ class Float8Converter(QuantizationConverter):
         self.report = self.router.report
         self.sentinel = options.sentinel()
         keep_fp8_cast_rounding_under_inductor()
-        recognise_fp8_in_has_quantization()
+        recognise_fp8_in_has_quantization(has_fp8_conversion)
         if self.sentinel:
             if config.model_compile_enabled:
                 raise ValueError(COMPILE_UNSUPPORTED)
-            from torchtitan.trainer import Trainer
-
-            drive_trainer(Trainer, _model_compiled)
+            follow_train_steps(_model_compiled)
 
     def convert(self, model_config):
         """``model_config`` with FP8 linears and experts, as ``model_registry`` calls it; logs

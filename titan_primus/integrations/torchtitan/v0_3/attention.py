@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention, VarlenAttention
 from torchtitan.models.common.decoder import Decoder
 
-from ..attention import AttentionRoute, AttentionSite, attend
-from ..attention.call import Documents
+from titan_primus.attention import AttentionRoute, AttentionSite, attend
+from titan_primus.attention.call import Documents
 
 __all__ = ["PrimusTurboSDPA", "PrimusTurboVarlenAttention", "convert_attention"]
 

@@ -4,9 +4,9 @@
 Usage (from the repository root; arguments are exactly ``torchtitan.train``'s)::
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=1 \\
-        titan_primus/cpu_trainer/launch.py --module llama3 --config llama3_debugmodel \\
-        --hf_assets_path titan_primus/cpu_trainer/assets/tokenizer \\
-        --dataloader.dataset_path titan_primus/cpu_trainer/assets/corpus \\
+        titan_primus/integrations/torchtitan/v0_3/launch.py --module llama3 --config llama3_debugmodel \\
+        --hf_assets_path titan_primus/integrations/torchtitan/common/assets/tokenizer \\
+        --dataloader.dataset_path titan_primus/integrations/torchtitan/common/assets/corpus \\
         --training.steps 5 --training.seq_len 256 --training.local_batch_size 2
 
 Other stock debug configs: ``--module deepseek_v3 --config deepseek_v3_debugmodel``,
@@ -17,7 +17,7 @@ checkpoints (a rerun with the same dump folder resumes from the latest
 needs a C compiler), ``--debug.seed 42`` for a reproducible init.
 (The assets come from ``examples/make_assets.py``.)
 
-``python titan_primus/cpu_trainer/launch.py ...`` also works for one process: the launcher
+``python titan_primus/integrations/torchtitan/v0_3/launch.py ...`` also works for one process: the launcher
 then sets the torchrun environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR,
 MASTER_PORT) itself. Use ``OMP_NUM_THREADS=1`` on a 2-core machine.
 
@@ -37,33 +37,19 @@ import dataclasses
 import importlib.util
 import inspect
 import os
-import sys
 from pathlib import Path
 
-from titan_primus.cpu_trainer import (
-    world as cpu_world,
+from titan_primus.integrations.torchtitan.common import (
+    cpu_world,
 )  # (0) offline Hugging Face, (1) a single-process world without torchrun
 
-# (2) tools/utils.py picks `_get_available_device_type() or "cuda"`, so with no
-#     accelerator the trainer calls torch.cuda.set_device and dies. Several
-#     modules do `from torchtitan.tools.utils import device_type, device_module`
-#     at import time, so both names must be patched before anything else from
-#     torchtitan is imported. torch.cpu lacks the memory/introspection calls the
-#     trainer makes: cpu_world.CPU_DEVICE_MODULE supplies them.
+# (2) the CPU device, (4) FSDP2's gradient reduction on gloo: patches of TorchTitan, in seams.py;
+#     the device must be chosen before anything else from torchtitan is imported.
+from titan_primus.integrations.torchtitan.v0_3 import seams  # noqa: E402
 
-import torchtitan.tools.utils as _tt_utils  # noqa: E402  (must follow the env setup)
+seams.use_cpu_device(cpu_world.CPU_DEVICE_MODULE)
+seams.reduce_gradients_with_sum(cpu_world.with_sum_reduction)
 
-_tt_utils.device_type, _tt_utils.device_module = "cpu", cpu_world.CPU_DEVICE_MODULE
-# gloo: distributed/utils._get_distributed_backend maps device_type through
-# torch.distributed.Backend.default_device_backend_map, so "cpu" -> "gloo"
-# follows from the patch above; nothing more is needed.
-
-# (4) FSDP2 on gloo: gradients reduced with a plain SUM (cpu_world.with_sum_reduction).
-import torchtitan.distributed.fsdp as _tt_fsdp  # noqa: E402
-
-_tt_fsdp.disable_fsdp_gradient_division = cpu_world.with_sum_reduction(_tt_fsdp.disable_fsdp_gradient_division)
-
-from torchtitan.config import ConfigManager  # noqa: E402
 from torchtitan.config.configs import TrainingConfig  # noqa: E402
 from torchtitan.config.override import derive  # noqa: E402
 from torchtitan.models.common.attention import (  # noqa: E402
@@ -213,14 +199,12 @@ def _take_dataset_flag(args: list[str]) -> tuple[list[str], str | None]:
     return args, None
 
 
-_parse_args = ConfigManager.parse_args
-
-
-def _parse_args_cpu(self, args=None):
+def cpu_config(parse, args: list[str]):
+    """The parsed config, edited for a CPU (seams.edit_parsed_config)."""
     corpus = None
     if GRAIN_LOADER:
-        args, corpus = _take_dataset_flag(list(sys.argv[1:] if args is None else args))
-    config = _parse_args(self, args)
+        args, corpus = _take_dataset_flag(args)
+    config = parse(args)
     use_causal_sdpa(config.model_spec.model)
     if corpus is not None:
         use_local_corpus(config.dataloader, corpus)
@@ -233,7 +217,7 @@ def _parse_args_cpu(self, args=None):
     return config
 
 
-ConfigManager.parse_args = _parse_args_cpu
+seams.edit_parsed_config(cpu_config)
 
 
 if __name__ == "__main__":

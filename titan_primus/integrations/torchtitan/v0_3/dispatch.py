@@ -8,8 +8,8 @@ from dataclasses import dataclass, fields
 
 from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
 
-from ..recipes import Fp8Recipe
-from ..token_dispatch import fp8_all_to_all, fp8_copy, fp8_dispatch_cast
+from titan_primus.recipes import Fp8Recipe
+from titan_primus.token_dispatch import fp8_all_to_all, fp8_copy, fp8_dispatch_cast
 
 __all__ = ["fp8_dispatcher_config"]
 

@@ -103,7 +103,7 @@ def _in_titan_primus(error: BaseException) -> bool:
     return frame is not None and Path(frame.filename).resolve().is_relative_to(_PACKAGE)
 
 
-_PACKAGE = Path(__file__).resolve().parent
+_PACKAGE = Path(__file__).resolve().parents[3]  # titan_primus/
 
 
 def _where(error: BaseException) -> str:
@@ -113,7 +113,7 @@ def _where(error: BaseException) -> str:
         return "at import"
     path = Path(frame.filename).resolve()
     if path.is_relative_to(_PACKAGE):
-        # titan-primus's own file: named by package, as titan_primus/torchtitan/converter.py, which
+        # titan-primus's own file: named by package, as titan_primus/integrations/torchtitan/v0_3/converter.py, which
         # cut at its "torchtitan" folder would read as one of TorchTitan's.
         parts = ("titan_primus", *path.relative_to(_PACKAGE).parts)
     else:

@@ -18,7 +18,9 @@ from torchtitan.distributed.expert_parallel import ExpertParallel
 from torchtitan.models.moe.utils import _permute
 from torchtitan.protocols.train_spec import get_train_spec
 
-from ..token_dispatch import fp8_all_to_all
+from titan_primus.token_dispatch import fp8_all_to_all
+
+from .seams import build_expert_parallel_as
 
 __all__ = ["Fp8ExpertParallel", "install_fp8_expert_parallel"]
 
@@ -92,5 +94,5 @@ def install_fp8_expert_parallel(model_name: str) -> str | None:
     missing = [name for name in _DISPATCH_STATE if name not in state]
     if missing:
         return f"this TorchTitan's ExpertParallel keeps no {', '.join(missing)}: not the 0.2.0-0.2.2 dispatch"
-    namespace["ExpertParallel"] = Fp8ExpertParallel
+    build_expert_parallel_as(apply_moe_ep_tp, Fp8ExpertParallel)
     return None

@@ -1,5 +1,5 @@
-"""What both CPU launchers (TorchTitan 0.3's titan_primus/cpu_trainer/launch.py and 0.2.x's
-titan_primus/cpu_trainer/launch02.py) set up before TorchTitan is imported. Importing it:
+"""What both CPU launchers (TorchTitan 0.3's titan_primus/integrations/torchtitan/v0_3/launch.py and 0.2.x's
+titan_primus/integrations/torchtitan/v0_2/launch.py) set up before TorchTitan is imported. Importing it:
 
 (0) keeps the Hugging Face libraries offline: the debug configs' dataset and tokenizer are local
     files, and the machine may have no network;

@@ -5,27 +5,31 @@ from __future__ import annotations
 
 import functools
 import logging
-import sys
 
 from torch import nn
+
+# 0.2.x's converter registry, imported first: on TorchTitan 0.3 (config-tree converters instead)
+# the adapter's import error names it.
+from torchtitan.protocols.model_converter import register_model_converter
 from torchtitan.models.moe.moe import GroupedExperts
 from torchtitan.models.moe.utils import set_token_group_alignment_size_m
 from torchtitan.protocols.train_spec import get_train_spec
 
-from ..checkpointing import attention_save_ops, fp8_gemm_save_ops
+from titan_primus.checkpointing import attention_save_ops, fp8_gemm_save_ops
 
-from ..conversion import (
+from titan_primus.conversion import (
     ConversionOptions,
     LayerRouter,
     check_parallelism,
     keep_fp8_cast_rounding_under_inductor,
 )
-from ..fsdp_fp8 import fp8_all_gather_plan
-from ..recipes import with_fp8_dispatch, with_token_groups_padded_to
-from ..sentinel import COMPILE_UNSUPPORTED, SentinelLayer, drive_trainer, watch
+from titan_primus.fsdp_fp8 import fp8_all_gather_plan
+from titan_primus.recipes import with_fp8_dispatch, with_token_groups_padded_to
+from titan_primus.sentinel import COMPILE_UNSUPPORTED, SentinelLayer, watch
 from .attention import attention_swaps
 from .modules import Fp8GroupedExperts, Fp8Linear
-from .token_dispatch import install_fp8_expert_parallel
+from .dispatch import install_fp8_expert_parallel
+from .seams import follow_train_steps, save_in_selective_ac
 
 __all__ = ["CONVERTER_NAME", "Float8Converter"]
 
@@ -91,9 +95,7 @@ class Float8Converter:
         if self.sentinel:
             if _model_compiled(job_config):
                 raise ValueError(COMPILE_UNSUPPORTED)
-            from torchtitan.train import Trainer
-
-            drive_trainer(Trainer, lambda trainer: _model_compiled(trainer.job_config))
+            follow_train_steps(lambda trainer: _model_compiled(trainer.job_config))
 
     def convert(self, model: nn.Module) -> None:
         options = self.router.options
@@ -223,13 +225,10 @@ def save_fp8_gemms_under_selective_ac(model_name: str) -> None:
     ``apply_ac`` (read when each op runs, so adding to it before then is enough). Without them
     every FP8 GEMM of a checkpointed block runs again in backward (TorchAO's ``_scaled_mm``
     included: 0.2.x's lists hold ``aten.mm`` only)."""
-    parallelize = get_train_spec(model_name).parallelize_fn
-    save_list = getattr(sys.modules.get(getattr(parallelize, "__module__", "")), "_op_sac_save_list", None)
-    if not isinstance(save_list, set):
-        logger.warning(
-            "titan-primus: %s's parallelize function has no _op_sac_save_list: with selective per-op "
-            "activation checkpointing its FP8 GEMMs run again in backward",
-            model_name,
-        )
-        return
-    save_list.update(fp8_gemm_save_ops() | attention_save_ops())
+    save_in_selective_ac(
+        get_train_spec(model_name).parallelize_fn, fp8_gemm_save_ops() | attention_save_ops(), model_name
+    )
+
+
+# TorchTitan 0.2.x finds converters by name in its registry ([model] converters).
+register_model_converter(Float8Converter, CONVERTER_NAME)

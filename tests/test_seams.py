@@ -1,0 +1,54 @@
+"""Issue 41: every patch of TorchTitan's internals is a declared seam of its line (seams.py), and
+``titan-primus doctor`` says whether each target is there. Runs on the installed line
+(tests_tt02/test_contracts.py runs the 0.2.x checks)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from titan_primus.diagnostics.environment import diagnose
+from titan_primus.integrations.torchtitan import line_seams
+from titan_primus.integrations.torchtitan.common.seams import Seam, replace_once
+
+
+def test_every_seam_of_the_installed_line_finds_its_target():
+    version, seams = line_seams()
+    assert version and seams, "no TorchTitan line installed"
+    assert {s.row()["missing"] for s in seams} == {None}
+    assert len({s.name for s in seams}) == len(seams)
+
+
+def test_doctor_lists_the_seams_and_names_a_missing_target(monkeypatch):
+    from torchtitan.components import metrics
+
+    _, seams = line_seams()
+    rows = diagnose("cpu")["torchtitan_seams"]
+    assert [r["name"] for r in rows] == [s.name for s in seams] and all(r["present"] for r in rows)
+    monkeypatch.delattr(metrics.MetricsProcessor, "_build_metric_logger")
+    missing = {r["name"]: r for r in diagnose("cpu")["torchtitan_seams"]}["validate_metrics"]
+    assert not missing["present"] and "has no _build_metric_logger" in missing["missing"]
+
+
+def test_a_seam_patches_once_and_says_what_it_cannot_find(monkeypatch):
+    holder = types.ModuleType("titan_primus_seam_target")
+    holder.Owner = type("Owner", (), {"method": lambda self: 1})
+    monkeypatch.setitem(__import__("sys").modules, holder.__name__, holder)
+    seam = Seam("twice", f"{holder.__name__}:Owner.method", "test", "idempotence")
+    calls = []
+
+    def wrap(original):
+        calls.append(original)
+        return lambda self: original(self) + 1
+
+    first = replace_once(seam, wrap)
+    assert replace_once(seam, wrap) is first and len(calls) == 1
+    assert holder.Owner().method() == 2
+    assert (
+        Seam("gone", f"{holder.__name__}:Owner.absent", "test", "").missing()
+        == f"{holder.__name__}:Owner has no absent"
+    )
+    assert "ModuleNotFoundError" in Seam("gone", "no_such_module_here:x", "test", "").missing()
+    with pytest.raises(AttributeError):
+        replace_once(Seam("gone", f"{holder.__name__}:Owner.absent", "test", ""), wrap)

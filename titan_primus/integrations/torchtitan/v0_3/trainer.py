@@ -1,0 +1,73 @@
+"""TorchTitan 0.3's :class:`TrainerLine`: how ``titan-primus validate`` runs its trainer (``--module
+M --config C``; FP8: ``--module titan_primus --config C_fp8[_RECIPE]``) and the hooks inside the
+trainer process (seams.py holds the patches)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..common.trainer import TrainerLine, common_args, fp8_options, record_routing, recording_logger
+from . import seams
+
+__all__ = ["LINE", "Line03"]
+
+LAUNCHER = Path(__file__).resolve().parent / "launch.py"
+
+
+class Line03(TrainerLine):
+    name = "0.3"
+    cpu_launcher = LAUNCHER
+    cpu_default = [("llama3", "llama3_debugmodel", 200), ("deepseek_v3", "deepseek_v3_debugmodel", 50)]
+    cpu_quick = [("llama3", "llama3_debugmodel", 20)]
+    config_example = "--module llama3 --config llama3_8b"
+
+    def fp8_config(self, plan) -> str:
+        return f"{plan.config}_fp8" + ("" if plan.recipe == "rowwise" else f"_{plan.recipe}")
+
+    def run_names(self, plan, fp8):
+        return ("titan_primus" if fp8 else plan.module), (self.fp8_config(plan) if fp8 else plan.config)
+
+    def check_plan(self, module, config):
+        if not module:
+            raise ValueError("--config needs --module (the stock TorchTitan model, e.g. --module llama3)")
+        return module
+
+    def trainer_args(self, plan, fp8, seed, dump, on_gpu):
+        args = [
+            "--module",
+            "titan_primus" if fp8 else plan.module,
+            "--config",
+            self.fp8_config(plan) if fp8 else plan.config,
+        ]
+        args += common_args(plan, seed, on_gpu, "--hf_assets_path", "--dataloader.dataset_path")
+        return args + ["--validator.no-enable", "--dump_folder", str(dump)]
+
+    def install_hooks(self, record, flip_last_bit, metrics, last_bit):
+        import sys
+
+        if "titan_primus" in sys.argv:  # the FP8 runs (--module titan_primus)
+            import dataclasses
+
+            from .converter import Float8Converter
+
+            options, init = fp8_options(), Float8Converter.__init__
+
+            def init_with_options(self, config):
+                init(self, dataclasses.replace(config, **options))
+
+            Float8Converter.__init__ = init_with_options
+            if metrics:
+                # convert() calls it, and the ready configs (config_registry.with_fp8) call it directly.
+                record_routing(Float8Converter, "convert_model", record)
+        if metrics:
+            from torchtitan.components.metrics import BaseLogger
+
+            seams.record_metrics(recording_logger(BaseLogger, record))
+        if last_bit:
+            seams.record_initial_weights(lambda model: record({"last_bit_flipped": flip_last_bit(model)}))
+        from torchtitan.train import main
+
+        return main
+
+
+LINE = Line03()
