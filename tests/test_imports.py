@@ -133,3 +133,33 @@ def test_no_torchtitan_line_imports_the_other():
         if name.startswith(f"{INTEGRATION}.{line}")
     }
     assert {name: found for name, found in crossings.items() if found} == {}
+
+
+BACKEND_NAMES = {"emulated", "torchao", "primus_turbo"}
+
+
+def _backend_name_comparisons(path: Path) -> list[str]:
+    """``x == "torchao"``, ``x in ("emulated", ...)`` and the like in ``path``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, ast.Compare):
+            continue
+        operands = [node.left, *node.comparators]
+        constants = [o for o in operands if isinstance(o, ast.Constant)]
+        constants += [e for o in operands if isinstance(o, (ast.Tuple, ast.List, ast.Set)) for e in o.elts]
+        if any(isinstance(c, ast.Constant) and c.value in BACKEND_NAMES for c in constants):
+            found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_backend_name_is_compared_outside_backends():
+    """Issue 41: what a backend can do is asked of it (capabilities), never read from its name."""
+    backends = [p for name, p in MODULES.items() if name.startswith("titan_primus.backends.")]
+    assert any(_backend_name_comparisons(p) for p in backends)  # the reader sees them where they belong
+    outside = [
+        hit
+        for name, path in MODULES.items()
+        if not name.startswith("titan_primus.backends.")
+        for hit in _backend_name_comparisons(path)
+    ]
+    assert outside == []

@@ -213,6 +213,33 @@ def test_backend_name_clash_is_an_error():
     assert tp.select_backend("linear", "rowwise", "cpu").backend_name == "emulated"
 
 
+def test_a_second_reference_backend_is_an_error_and_the_oracle_is_read_from_the_capability():
+    """Parity judges every backend against the one registered reference (``Fp8Backend.reference``,
+    the emulation), found by capability, not by name; two references would make that ambiguous."""
+    from titan_primus.diagnostics.parity import oracle
+
+    assert tp.registry.reference_backend() is tp.registry.get_backend("emulated") and oracle() == "emulated"
+
+    class BuiltOnTheEmulation(EmulatedBackend):
+        name = "built_on_it"
+
+    assert not BuiltOnTheEmulation.reference  # never inherited: a subclass computes what it likes
+
+    class SecondReference(EmulatedBackend):
+        name = "emulated_again"
+        reference = True
+
+    class Plugin:
+        @hookimpl
+        def titan_primus_register_backends(self):
+            return [SecondReference()]
+
+    with pytest.raises(ValueError, match="'emulated.*', 'emulated.*' .* all declare reference = True"):
+        tp.registry.register(Plugin(), name="second_reference")
+    assert tp.registry.plugin_manager().get_plugin("second_reference") is None
+    assert oracle() == "emulated"
+
+
 def test_entry_point_autoload_can_be_disabled(monkeypatch):
     """TITAN_PRIMUS_DISABLE_PLUGIN_AUTOLOAD=1 (set for this suite) skips entry points, as pytest does."""
     calls = []

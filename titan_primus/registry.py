@@ -50,7 +50,18 @@ def backends() -> dict[str, Fp8Backend]:
                 )
             found[backend.name] = backend
             owner[backend.name] = impl.plugin_name
+    references = [name for name, backend in found.items() if backend.reference]
+    if len(references) > 1:
+        raise ValueError(
+            f"backends {', '.join(repr(n) for n in references)} ({', '.join(owner[n] for n in references)}) all "
+            "declare reference = True; only the exact emulation every backend is compared with may"
+        )
     return found
+
+
+def reference_backend() -> Fp8Backend | None:
+    """The registered backend that is the exact reference (``Fp8Backend.reference``), or None."""
+    return next((b for b in backends().values() if b.reference), None)
 
 
 def get_backend(name: str) -> Fp8Backend:

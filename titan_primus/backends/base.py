@@ -118,6 +118,17 @@ class Fp8Backend(ABC):
     """The recipe names this backend implements; routing refuses the others before asking
     ``supports``. Recipes added to titan-primus later (``mxfp8``, ``blockwise``) reach a backend
     only once it lists them."""
+    reference: ClassVar[bool] = False
+    """The exact reference every other backend is compared with (the emulation): it runs every
+    recipe definition on every device. parity judges the others against it, bench and the memory
+    audit use its FP8 attention where no GPU kernel runs. At most one registered backend is, and
+    it is never inherited: a backend built on the emulation (a plugin subclassing it) is not the
+    reference unless its own class says so."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "reference" not in vars(cls):
+            cls.reference = False
 
     @abstractmethod
     def rank(self, device: DeviceProfile) -> int:

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import registry
-from ..attention import AttentionSite, attend, attention_refusal, backend_route
+from ..attention import AttentionSite, attend, attention_backends, attention_refusal, backend_route
 from ..device import DeviceProfile
 from ..numerics import sdpa
 from ..recipes import with_token_groups_padded_to
@@ -157,12 +157,20 @@ ATTENTION_FLOPS = (
     "attention FLOPs (FlashAttention's convention): forward 2*B*H*Sq*Sk*(D+Dv) (4*B*H*Sq*Sk*D for D = Dv), "
     "halved for causal; backward 2.5x forward"
 )
-# (backend, recipe, FP8?) of each attention measurement besides the bf16 SDPA baseline.
-_ATTENTION_PATHS = (
-    ("primus_turbo", "bf16", False),
-    ("primus_turbo", ATTENTION_RECIPE, True),
-    ("emulated", ATTENTION_RECIPE, True),
-)
+
+
+def attention_paths() -> list[tuple[str, str, bool]]:
+    """(backend, recipe, FP8?) of each attention measurement besides the bf16 SDPA baseline: each
+    backend with attention kernels, its bf16 path then its FP8 one; performance paths first, a
+    reference implementation (the emulation) after."""
+    paths = []
+    for name in sorted(attention_backends(), key=lambda n: not registry.get_backend(n).attention().performance_path):
+        kernels = registry.get_backend(name).attention()
+        paths += [(name, "bf16", False)] if kernels.bf16 else []
+        paths += [(name, ATTENTION_RECIPE, True)] if kernels.fp8 else []
+    return paths
+
+
 _EMULATION_ON_GPU = (
     "not a performance path: the emulated FP8 attention is an exact reference of Primus-Turbo's (float64 dot "
     "products, a Python loop over 64-token blocks); timed on a CPU only, so the code path runs"
@@ -356,12 +364,13 @@ def run_bench(
 def run_attention_bench(
     shapes, timing: tuple[int, int], profile: DeviceProfile, compile: bool = False, progress=None
 ) -> list[dict]:
-    """Per attention shape: bf16 SDPA, then each path of :data:`_ATTENTION_PATHS` that runs here."""
+    """Per attention shape: bf16 SDPA, then each path of :func:`attention_paths` that runs here."""
     device, peak = _device_and_peak(profile)
-    rows = []
+    paths, rows = attention_paths(), []
     for shape in shapes:
         if progress is not None:
-            progress.starting(f"attention {shape.name}: bf16 SDPA, Primus-Turbo bf16 and FP8, the emulation")
+            named = ", ".join(f"{backend} {'FP8' if fp8 else 'bf16'}" for backend, _, fp8 in paths)
+            progress.starting(f"attention {shape.name}: bf16 SDPA, {named}")
         baseline = _row(shape, "bf16", None)
         _measure(
             baseline,
@@ -375,7 +384,7 @@ def run_attention_bench(
         if peak and baseline["tflops"]:
             baseline["fraction_of_peak"] = baseline["tflops"] / peak.bf16
         rows.append(baseline)
-        for backend, recipe, fp8 in _ATTENTION_PATHS:
+        for backend, recipe, fp8 in paths:
             row = _row(shape, backend, recipe)
             rows.append(row)
             row["reason"] = attention_refusal(backend, profile, shape.site(), fp8=fp8)

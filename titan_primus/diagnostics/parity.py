@@ -68,7 +68,7 @@ from .results import db_value, format_db
 __all__ = [
     "DEFAULT_ATTENTION_CASES",
     "DEFAULT_CASES",
-    "ORACLE",
+    "oracle",
     "QUICK_ATTENTION_CASES",
     "QUICK_CASES",
     "AttentionCase",
@@ -82,8 +82,13 @@ __all__ = [
 ]
 
 FNUZ_PROFILE = "gfx942"
-# The pure-PyTorch emulation runs every definition everywhere: the oracle the others are compared with.
-ORACLE = "emulated"
+
+
+def oracle() -> str | None:
+    """The name of the registered reference backend (the emulation: it runs every definition
+    everywhere), the oracle the others are compared with; None where none is registered."""
+    reference = registry.reference_backend()
+    return reference.name if reference else None
 
 
 # --- shape cases ---------------------------------------------------------------------------
@@ -407,7 +412,7 @@ def _case_profile(case, profile: DeviceProfile) -> tuple[DeviceProfile, str]:
 
 
 def _why_not(backend, case, recipe: str, profile: DeviceProfile, emulation_only: str) -> str:
-    if emulation_only and backend.name != ORACLE:
+    if emulation_only and not backend.reference:
         return emulation_only
     return why_not(backend, case.op, recipe, profile, k=case.k, n=case.n)
 
@@ -426,7 +431,7 @@ def _execute(row: Row, profile: DeviceProfile, compute):
         return compute()
     except Exception as e:  # a report of what broke, for any backend, beats a traceback
         message = describe_error(e)
-        if profile.detected or row.backend == ORACLE:
+        if profile.detected or row.backend == oracle():
             row.status, row.reason = "error", message
         else:
             row.reason = (
@@ -491,19 +496,22 @@ def _run_cell(case, recipe: str, requested: DeviceProfile) -> list[Row]:
         return row
 
     registered = registry.backends()
-    for backend in sorted(registered.values(), key=lambda b: b.name != ORACLE):
+    oracle_backend = registry.reference_backend()
+    for backend in sorted(registered.values(), key=lambda b: not b.reference):
         row = new_row(backend.name)
         row.reason = _why_not(backend, case, recipe, profile, emulation_only)
         if not row.reason:
             runs.append(_execute_gemm(row, case, inputs, backend.recipe_for(recipe, profile), profile))
     runs = [r for r in runs if r is not None]
     # A definition no emulated run covered: the emulation runs it too, for a same-definition comparison.
-    emulated_definitions = {r.recipe.definition for r in runs if r.row.backend == ORACLE}
-    if ORACLE in registered:
+    emulated_definitions = {
+        r.recipe.definition for r in runs if oracle_backend and r.row.backend == oracle_backend.name
+    }
+    if oracle_backend:
         for other in list(runs):
             if other.recipe.definition not in emulated_definitions:
                 emulated_definitions.add(other.recipe.definition)
-                extra = _execute_gemm(new_row(ORACLE), case, inputs, other.recipe, profile)
+                extra = _execute_gemm(new_row(oracle_backend.name), case, inputs, other.recipe, profile)
                 if extra:
                     runs.insert(0, extra)
     _judge(runs, reference, case, inputs)

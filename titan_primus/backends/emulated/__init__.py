@@ -29,6 +29,7 @@ __all__ = ["EmulatedBackend"]
 
 class EmulatedBackend(Fp8Backend):
     name = "emulated"
+    reference = True
     tensor_parallel_scales = True
     recipes = RECIPE_NAMES
 

@@ -179,7 +179,8 @@ def emulated_attention_saved(profile: DeviceProfile) -> list[tuple[tuple[int, ..
     h, S = ATTENTION_AUDIT_HEADS, ATTENTION_AUDIT_SEQ
     dims = ((h.heads, h.head_dim), (h.kv_heads, h.head_dim), (h.kv_heads, h.v_head_dim))
     q, k, v = (torch.randn(1, S, n, d, dtype=torch.bfloat16, requires_grad=True) for n, d in dims)
-    route = backend_route("memory audit", "emulated", fp8=True, device=profile, reason="bench --memory")
+    reference = registry.reference_backend().name  # the exact emulation: its saved tensors are the definition's
+    route = backend_route("memory audit", reference, fp8=True, device=profile, reason="bench --memory")
     with recording_saved_tensors() as saved:
         attend(route, q, k, v, scale=None, causal=True)
     return sorted((tuple(t.shape), t.element_size()) for t in saved)
