@@ -20,6 +20,7 @@ from .fsdp_fp8 import fp8_all_gather_plan
 from .recipes import check_recipe_name
 from .registry import backends, get_backend
 from .routing import BackendUnavailableError, RoutingDecision, preferred_backend, select_backend
+from .self_check import self_check
 from .sentinel.options import SentinelOptions, sentinel_options
 
 __all__ = [
@@ -436,6 +437,9 @@ class LayerRouter:
                     f"strict=True: {preferred.name}, the preferred FP8 backend on {device.describe()}, "
                     f"cannot run {op} with recipe {opts.recipe!r}: {why}"
                 )
+        figures = self_check(decision.backend, op, decision.recipe, device)
+        if figures:
+            logger.info("titan-primus: %s %s self-check against the emulation: %s", decision.backend_name, op, figures)
         return decision
 
     def _skip_reason(

@@ -3,12 +3,14 @@ titan-primus routes the op there and it runs (no ``tl.assume`` fails, nothing no
 back); just outside, titan-primus routes it elsewhere with the reason, and Primus-Turbo's own op
 fails there (the interpreter checks ``tl.assume``; on a GPU it is undefined behaviour)."""
 
+import importlib
+
 import pytest
 import torch
 from triton.runtime import errors as triton_errors
 
 import titan_primus as tp
-from real_turbo.conftest import ARCH, BUILD, TURBO
+from real_turbo.conftest import ARCH, BUILD, RECIPES, TURBO
 from real_turbo.test_same_as_turbo import CudaLooking, _config, _grads
 from titan_primus.backends.primus_turbo import load_api
 from titan_primus.backends.primus_turbo.autograd import group_offsets
@@ -265,3 +267,42 @@ def test_an_attention_op_that_renamed_an_argument_titan_primus_passes_is_refused
         release.UnsupportedRelease, match=r"attention_triton_forward_impl takes no argument use_fp8.*attention_fp8\.py"
     ):
         release._load()
+
+
+@pytest.mark.parametrize("op", ["linear", "grouped_mm"])
+def test_the_conversion_self_check_passes_the_real_kernels_and_refuses_a_transposed_weight_scale(op, monkeypatch):
+    """Issue 42's silent change: Primus-Turbo's blockwise weight quantizer returning its
+    ``scale_inv`` transposed passes every signature check and computed 21-24 dB against the
+    emulation where the real kernels give 90 dB. The numeric self-check at conversion runs every
+    recipe's kernels here (forward and backward, on inputs of two scaling blocks per dimension),
+    passes them, and stops conversion on the transposed scale with the figures."""
+    import time
+
+    from titan_primus.backends.primus_turbo.release import QUANT_MODULE
+    from titan_primus.conversion import ConversionOptions, LayerRouter
+    from titan_primus.self_check import _PASSED, Fp8SelfCheckError
+
+    def route(recipe):
+        return LayerRouter(ConversionOptions(backend="primus_turbo", recipe=recipe, device=ARCH)).decision(op)
+
+    for recipe in RECIPES:
+        _PASSED.clear()
+        started = time.perf_counter()
+        assert route(recipe).backend_name == "primus_turbo"
+        (figures,) = _PASSED.values()
+        print(f"self-check {BUILD} {ARCH} {op} {recipe}: {time.perf_counter() - started:.2f} s, {figures}")
+        assert "floor 40 dB" in figures
+    quant = importlib.import_module(QUANT_MODULE)
+    real = quant.quant_fp8_blockwise_for_weight_impl
+
+    def transposed_scales(**kwargs):
+        q, scale_inv = real(**kwargs)
+        return q, scale_inv.transpose(-2, -1).contiguous()
+
+    monkeypatch.setattr(quant, "quant_fp8_blockwise_for_weight_impl", transposed_scales)
+    _PASSED.clear()
+    with pytest.raises(
+        Fp8SelfCheckError, match=rf"primus_turbo backend's {op} with blockwise .* SQNR [0-9.]+ dB < 40 dB"
+    ):
+        route("blockwise")
+    _PASSED.clear()

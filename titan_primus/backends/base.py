@@ -118,6 +118,10 @@ class Fp8Backend(ABC):
     """The recipe names this backend implements; routing refuses the others before asking
     ``supports``. Recipes added to titan-primus later (``mxfp8``, ``blockwise``) reach a backend
     only once it lists them."""
+    checked_at_conversion: ClassVar[bool] = False
+    """Its kernels come from an upstream that can change their numbers under an unchanged
+    signature (Primus-Turbo, TorchAO): conversion runs each op routed to it once on a tiny input
+    against the emulation before training (titan_primus.self_check)."""
     reference: ClassVar[bool] = False
     """The exact reference every other backend is compared with (the emulation): it runs every
     recipe definition on every device. parity judges the others against it, bench and the memory

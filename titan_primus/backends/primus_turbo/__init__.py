@@ -45,6 +45,7 @@ gfx950 hardware (backends/primus_turbo/mx.py)."""
 
 class PrimusTurboBackend(Fp8Backend):
     name = "primus_turbo"
+    checked_at_conversion = True
     recipes = RECIPE_NAMES  # rowwise_with_gw_hp is refused in supports(), with the reason
 
     def __init__(self):

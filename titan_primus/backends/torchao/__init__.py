@@ -60,6 +60,7 @@ def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
 
 class TorchAOBackend(Fp8Backend):
     name = "torchao"
+    checked_at_conversion = True
     recipes = RECIPE_NAMES
 
     @cached_property
