@@ -131,3 +131,23 @@ def test_a_kernel_that_raises_stops_conversion_where_it_runs_and_is_left_to_its_
     decision = LayerRouter(ConversionOptions(backend="raises", recipe="rowwise", device="gfx942")).decision("linear")
     assert decision.backend_name == "raises"
     assert "not run on this host under the named profile gfx942" in next(iter(_PASSED.values()))
+
+
+@pytest.mark.parametrize("registered", [ScaleOff], indirect=True)
+def test_doctor_check_kernels_runs_the_self_check_on_every_routed_op_and_fails_on_a_changed_kernel(registered, capsys):
+    """``titan-primus doctor --check-kernels``: an upgrade checked on a node without training. A row
+    per routed op and recipe; a kernel that fails is a row, and the exit code says so."""
+    import json
+
+    from titan_primus import cli
+
+    assert cli.main(["doctor", "--json"]) == 0
+    assert "kernel_checks" not in json.loads(capsys.readouterr().out)
+    assert cli.main(["doctor", "--json", "--check-kernels"]) == 1
+    rows = {(r["op"], r["recipe"]): r for r in json.loads(capsys.readouterr().out)["kernel_checks"]}
+    linear = rows["linear", "rowwise"]
+    assert linear["backend"] == "scale_off" and linear["status"] == "fail"
+    assert "out SQNR 6.0 dB < 40 dB" in linear["result"]
+    assert rows["grouped_mm", "rowwise"]["status"] == "pass"  # only its linear was changed
+    assert cli.main(["doctor", "--check-kernels"]) == 1
+    assert "numeric self-check of each routed op" in capsys.readouterr().out

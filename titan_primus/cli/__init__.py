@@ -40,6 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"show a named device profile instead of the detected one ({', '.join(known_profiles())})",
     )
     doctor.add_argument("--json", action="store_true", help="print JSON to stdout instead of tables")
+    doctor.add_argument(
+        "--check-kernels",
+        action="store_true",
+        help="also run the numeric self-check conversion runs on every routed op and recipe, and exit 1 if one fails",
+    )
 
     parity = commands.add_parser(
         "parity",
@@ -253,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "doctor":
             from . import doctor
 
-            return doctor.command(args.device, args.json, sys.stdout)
+            return doctor.command(args.device, args.json, sys.stdout, check_kernels=args.check_kernels)
         if args.command == "parity" and args.replay:
             from .parity import replay
 

@@ -2,7 +2,8 @@
 
 Versions of the stack, the device profile, every registered backend (plugins included) with
 whether it is available and why not, and the routing table ``backend="auto"`` gives for each op
-and recipe. It reports and never fails: exit code 0 even where no FP8 backend is available.
+and recipe. It reports and never fails: exit code 0 even where no FP8 backend is available; with
+``--check-kernels`` (the numeric self-check of every routed op), 1 when a kernel failed it.
 Versions come from package metadata; of the optional packages only TorchTitan's modules that
 titan-primus patches are imported, to say whether each patch's target is there.
 """
@@ -129,6 +130,14 @@ def render(diagnosis: dict) -> str:
                 ],
             )
         )
+    if "kernel_checks" in diagnosis:
+        lines += ["", "numeric self-check of each routed op against the emulation of its definition (--check-kernels):"]
+        lines.append(
+            markdown_table(
+                ["op", "recipe", "backend", "status", "result"],
+                [[r["op"], r["recipe"], r["backend"], r["status"], r["result"]] for r in diagnosis["kernel_checks"]],
+            )
+        )
     if passed_over:
         lines += ["", "why backends were passed over:"]
         lines += [f"  [{n}] {name}: {why}" for (name, why), n in note.items()]
@@ -142,7 +151,8 @@ def _cited(reason: str, note: dict) -> str:
     return reason
 
 
-def command(device: str | None, as_json: bool, out) -> int:
-    diagnosis = diagnose(device)
+def command(device: str | None, as_json: bool, out, check_kernels: bool = False) -> int:
+    """0, or with ``check_kernels`` 1 when a routed kernel failed its self-check."""
+    diagnosis = diagnose(device, check_kernels=check_kernels)
     out.write(json.dumps(diagnosis, indent=2) + "\n" if as_json else render(diagnosis))
-    return 0
+    return int(any(row["status"] == "fail" for row in diagnosis.get("kernel_checks", ())))

@@ -19,6 +19,7 @@ from ..backends.base import OPS
 from ..device import DeviceProfile, detect_device, device_profile
 from ..recipes import RECIPE_NAMES
 from ..routing import BackendUnavailableError, select_backend
+from ..self_check import Fp8SelfCheckError, self_check
 from .results import SCHEMA_VERSION
 
 __all__ = [
@@ -185,8 +186,36 @@ def _attention(profile: DeviceProfile) -> list[dict]:
     return rows
 
 
-def diagnose(device: str | None = None) -> dict:
-    """Everything doctor reports, as data; ``device`` names a profile (default: detected)."""
+def kernel_checks(profile: DeviceProfile, routing: list[dict]) -> list[dict]:
+    """The numeric self-check conversion runs (titan_primus.self_check), on every routed op and
+    recipe of ``routing``: each row's ``status`` is pass, fail (the kernel computes other numbers
+    than its definition, or raised), or not checked (the reference itself, or a backend that does
+    not declare ``checked_at_conversion``), with the figures or the reason."""
+    rows = []
+    for route in routing:
+        if route["backend"] is None:
+            continue
+        row = {"op": route["op"], "recipe": route["recipe"], "backend": route["backend"]}
+        backend = registry.get_backend(route["backend"])
+        try:
+            figures = self_check(backend, route["op"], backend.recipe_for(route["recipe"], profile), profile)
+        except Exception as e:  # doctor reports; a failing check is a row
+            row.update(status="fail", result=str(e) if isinstance(e, Fp8SelfCheckError) else failed_check(e))
+        else:
+            checked = "pass" if figures and not figures.startswith("not run") else "not checked"
+            why = (
+                "the exact reference itself"
+                if backend.reference
+                else "its kernels do not declare checked_at_conversion"
+            )
+            row.update(status=checked, result=figures or why)
+        rows.append(row)
+    return rows
+
+
+def diagnose(device: str | None = None, check_kernels: bool = False) -> dict:
+    """Everything doctor reports, as data; ``device`` names a profile (default: detected);
+    ``check_kernels`` adds the numeric self-check of every routed op (:func:`kernel_checks`)."""
     profile = resolve_profile(device)
     turbo = registry.backends().get("primus_turbo")
     try:
@@ -195,7 +224,7 @@ def diagnose(device: str | None = None) -> dict:
         paths = turbo.execution_paths() if available else None
     except Exception as e:
         turbo_state, paths = failed_check(e), None
-    return {
+    result = {
         "schema_version": SCHEMA_VERSION,
         "kind": "doctor",
         "environment": environment(profile),
@@ -209,6 +238,9 @@ def diagnose(device: str | None = None) -> dict:
         "attention": _attention(profile),
         "torchtitan_seams": torchtitan_seams(),
     }
+    if check_kernels:
+        result["kernel_checks"] = kernel_checks(profile, result["routing"])
+    return result
 
 
 def torchtitan_seams() -> list[dict]:
