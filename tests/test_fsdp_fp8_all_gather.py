@@ -330,8 +330,8 @@ def test_bench_traffic_model_uses_the_real_model_sizes():
     assert 0.50 < rows["Llama3-70B"]["tensorwise_ratio"] < rows["Llama3-8B"]["tensorwise_ratio"] < 0.54
     assert rows["Llama3-8B"]["rowwise_bytes"] > rows["Llama3-8B"]["tensorwise_bytes"]
     assert 0.50 < rows["DeepSeek-V3-671B"]["tensorwise_ratio"] < rows["DeepSeek-V3-671B"]["rowwise_ratio"] < 0.51
-    assert "MODEL, computed from shapes" in render_traffic(8)
-    assert "Measured" not in render_traffic(8)  # bench prints no measured figure it did not measure
+    assert "MODEL, computed from shapes" in render_traffic(traffic_rows(8))
+    assert "Measured" not in render_traffic(traffic_rows(8))  # bench prints no measured figure it did not measure
 
 
 @pytest.mark.parametrize("backend, world", [("emulated", 3), ("torchao", 2)])

@@ -25,7 +25,7 @@ from titan_primus.cli import build_parser
 from titan_primus.diagnostics.results import load_document
 from titan_primus.diagnostics.validate.baseline import BaselineMismatch, mismatches, refuse_mismatches
 from titan_primus.diagnostics.validate.run import judge_document
-from titan_primus.cli.validate.report import render_validate_markdown
+from titan_primus.cli.validate_results import render_validate_markdown
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import corrupt_backend  # noqa: E402

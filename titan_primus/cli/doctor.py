@@ -10,13 +10,44 @@ titan-primus patches are imported, to say whether each patch's target is there.
 
 from __future__ import annotations
 
+import sys
+
+from ..device import known_profiles
+from .arguments import add_profile, add_switch
 import json
 
 from ..backends.primus_turbo.release import describe_build
 from ..diagnostics.environment import diagnose
-from .formatting import markdown_table
+from .formatting import column_table, fields, markdown_table
 
-__all__ = ["command", "render"]
+__all__ = ["command", "register", "render", "run"]
+
+
+_BACKEND_COLUMNS = (
+    ("backend", lambda b: b["name"]),
+    ("provided by", lambda b: b["provided_by"]),
+    ("rank", lambda b: str(b["rank"])),
+    ("available", lambda b: "yes" if b["available"] else "no"),
+    ("why", lambda b: b["reason"]),
+)
+_ROUTING_COLUMNS = (
+    *fields("op", "recipe"),
+    ("backend", lambda r: r["backend"] or "NONE"),
+    ("definition", lambda r: r["definition"] or "-"),
+    ("why", lambda r: r["reason"] if r["backend"] else "no backend can run it here"),
+)
+_ATTENTION_COLUMNS = (
+    ("attention layer", lambda r: r["layer"]),
+    ("backend", lambda r: f"{r['backend']} ({'FP8' if r['fp8'] else 'bf16'})" if r["backend"] else "TorchTitan's own"),
+)
+_SEAM_COLUMNS = (
+    ("seam", lambda s: s["name"]),
+    ("target", lambda s: s["target"]),
+    ("written for", lambda s: s["verified"]),
+    ("here", lambda s: "yes" if s["present"] else f"MISSING: {s['missing']}"),
+    ("why patched", lambda s: s["why"]),
+)
+_KERNEL_CHECK_COLUMNS = fields("op", "recipe", "backend", "status", "result")
 
 
 def _version_rows(diagnosis: dict) -> list[list[str]]:
@@ -60,36 +91,17 @@ def render(diagnosis: dict) -> str:
             f"gives MI300X's float8_e4m3fnuz, for GEMMs and FP8 attention alike"
         )
     lines += ["", 'backends (backend="auto" takes the highest rank that is available and supports the op):']
-    lines.append(
-        markdown_table(
-            ["backend", "provided by", "rank", "available", "why"],
-            [
-                [b["name"], b["provided_by"], str(b["rank"]), "yes" if b["available"] else "no", b["reason"]]
-                for b in diagnosis["backends"]
-            ],
-        )
-    )
+    lines.append(column_table(_BACKEND_COLUMNS, diagnosis["backends"]))
     # Each backend's reason, long and the same for many rows, is listed once below the table;
     # the rows cite it by number (the JSON keeps every row's reasons in full).
     passed_over = sorted({(p["backend"], p["reason"]) for r in diagnosis["routing"] for p in r["passed_over"]})
     note = {reason: n for n, reason in enumerate(passed_over, 1)}
     lines += ["", f"routing on {device['arch']} (op x recipe -> backend; [n]: why a backend was passed over, below):"]
-    lines.append(
-        markdown_table(
-            ["op", "recipe", "backend", "definition", "why", "passed over"],
-            [
-                [
-                    r["op"],
-                    r["recipe"],
-                    r["backend"] or "NONE",
-                    r["definition"] or "-",
-                    r["reason"] if r["backend"] else "no backend can run it here",
-                    ", ".join(f"{p['backend']} [{note[p['backend'], p['reason']]}]" for p in r["passed_over"]) or "-",
-                ]
-                for r in diagnosis["routing"]
-            ],
-        )
+    passed_over_column = (
+        "passed over",
+        lambda r: ", ".join(f"{p['backend']} [{note[p['backend'], p['reason']]}]" for p in r["passed_over"]) or "-",
     )
+    lines.append(column_table((*_ROUTING_COLUMNS, passed_over_column), diagnosis["routing"]))
     expert_parallel = [r for r in diagnosis["routing"] if r["expert_parallel"]]
     if expert_parallel:
         lines += ["", "grouped_mm under expert parallelism (what each recipe's scales cover on a rank):"]
@@ -100,44 +112,14 @@ def render(diagnosis: dict) -> str:
         lines += ["", "grouped_mm token dispatch with fp8_dispatch on (under expert parallelism):"]
         lines += [f"  {r['recipe']}: {r['fp8_dispatch']}" for r in expert_parallel]
     lines += ["", "attention layers with attention and fp8_attention on (off by default: docs/attention.md):"]
-    lines.append(
-        markdown_table(
-            ["attention layer", "backend", "why"],
-            [
-                [
-                    r["layer"],
-                    (f"{r['backend']} ({'FP8' if r['fp8'] else 'bf16'})" if r["backend"] else "TorchTitan's own"),
-                    _cited(r["reason"], note),
-                ]
-                for r in diagnosis["attention"]
-            ],
-        )
-    )
+    why_column = ("why", lambda r: _cited(r["reason"], note))
+    lines.append(column_table((*_ATTENTION_COLUMNS, why_column), diagnosis["attention"]))
     if diagnosis["torchtitan_seams"]:
         lines += ["", "TorchTitan internals titan-primus patches (each line's seams.py), and whether each is there:"]
-        lines.append(
-            markdown_table(
-                ["seam", "target", "written for", "here", "why patched"],
-                [
-                    [
-                        s["name"],
-                        s["target"],
-                        s["verified"],
-                        "yes" if s["present"] else f"MISSING: {s['missing']}",
-                        s["why"],
-                    ]
-                    for s in diagnosis["torchtitan_seams"]
-                ],
-            )
-        )
+        lines.append(column_table(_SEAM_COLUMNS, diagnosis["torchtitan_seams"]))
     if "kernel_checks" in diagnosis:
         lines += ["", "numeric self-check of each routed op against the emulation of its definition (--check-kernels):"]
-        lines.append(
-            markdown_table(
-                ["op", "recipe", "backend", "status", "result"],
-                [[r["op"], r["recipe"], r["backend"], r["status"], r["result"]] for r in diagnosis["kernel_checks"]],
-            )
-        )
+        lines.append(column_table(_KERNEL_CHECK_COLUMNS, diagnosis["kernel_checks"]))
     if passed_over:
         lines += ["", "why backends were passed over:"]
         lines += [f"  [{n}] {name}: {why}" for (name, why), n in note.items()]
@@ -156,3 +138,24 @@ def command(device: str | None, as_json: bool, out, check_kernels: bool = False)
     diagnosis = diagnose(device, check_kernels=check_kernels)
     out.write(json.dumps(diagnosis, indent=2) + "\n" if as_json else render(diagnosis))
     return int(any(row["status"] == "fail" for row in diagnosis.get("kernel_checks", ())))
+
+
+def register(commands) -> None:
+    """Adds the command's parser to ``commands`` (the subparsers of ``titan-primus``)."""
+    doctor = commands.add_parser(
+        "doctor",
+        help="versions, device profile, backends and the routing table (always exits 0)",
+        description="Report versions, the device profile, every registered backend and the op x recipe routing table.",
+    )
+    add_profile(doctor, f"show a named device profile instead of the detected one ({', '.join(known_profiles())})")
+    add_switch(doctor, "--json", "print JSON to stdout instead of tables")
+    add_switch(
+        doctor,
+        "--check-kernels",
+        "also run the numeric self-check conversion runs on every routed op and recipe, and exit 1 if one fails",
+    )
+    doctor.set_defaults(run=run)
+
+
+def run(args) -> int:
+    return command(args.device, args.json, sys.stdout, check_kernels=args.check_kernels)

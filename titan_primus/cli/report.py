@@ -4,18 +4,13 @@ schema docs/json-schema.md states) side by side as Markdown, optionally a PNG.""
 from __future__ import annotations
 
 import math
-from collections import Counter
+import sys
 from pathlib import Path
 
-from ..diagnostics.results import ResultsFileError, format_db, load_document, parse_db, prepare_output
-from .formatting import markdown_table, pyplot
+from ..diagnostics.results import ResultsFileError, format_db, load_document, parse_db
+from .formatting import markdown_table, pyplot, save_png
 
-__all__ = ["command", "plot_memory_png", "plot_sqnr_png", "render_markdown", "skip_lines"]
-
-
-def skip_lines(skips: list[tuple[str, str]]) -> list[str]:
-    """One line per distinct (backend, reason) of the skipped cells, with how many there were."""
-    return [f"  {backend} x{count}: {reason}" for (backend, reason), count in Counter(skips).items()]
+__all__ = ["command", "plot_memory_png", "plot_sqnr_png", "register", "render_markdown", "run"]
 
 
 # --- rendering several files side by side ---------------------------------------------------
@@ -183,27 +178,47 @@ def _headroom(row: dict) -> float:
     return min(margins, default=-math.inf)
 
 
+def _panels(labelled, kind: str, keep, case_of, missing: str, inches_per_case: float):
+    """A figure with one panel per file of ``kind`` (its rows ``keep`` holds) sharing the y axis, one
+    bar position per case (``case_of(row)``) of all of them, in the order first seen."""
+    plt = pyplot()
+    panels = [(label, [r for r in doc["results"] if keep(r)]) for label, doc in labelled if doc["kind"] == kind]
+    if not panels:
+        raise ResultsFileError(missing)
+    cases = list(dict.fromkeys(case_of(r) for _, rows in panels for r in rows))
+    size = (6 * len(panels) + 3, inches_per_case * len(cases) + 2.5)
+    fig, axes = plt.subplots(1, len(panels), figsize=size, squeeze=False, sharey=True)
+    return plt, fig, axes[0], panels, cases
+
+
+def _finish(plt, fig, axes, path: str, title: str, bottom: float) -> None:
+    """One legend of every panel's series (some appear only in later panels), the title, the file."""
+    handles = {}
+    for ax in axes:
+        for handle, name in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(name, handle)
+    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=min(len(handles), 4), fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    save_png(plt, fig, path, rect=(0, bottom, 1, 0.97))
+
+
+def _sqnr_case(row: dict) -> str:
+    return f"{row['op']} {row['recipe']} {row['case']}"
+
+
 def plot_sqnr_png(labelled: list[tuple[str, dict]], path: str) -> None:
     """Per case and backend, the headroom of SQNR vs fp32 over its bar; one panel per parity file."""
-    plt = pyplot()
-    parity = [
-        (label, [r for r in doc["results"] if r["status"] != "skipped"])
-        for label, doc in labelled
-        if doc["kind"] == "parity"
-    ]
-    if not parity:
-        raise ResultsFileError("--png plots parity SQNR, and none of the files is a parity run")
-    cases = list(dict.fromkeys(f"{r['op']} {r['recipe']} {r['case']}" for _, rows in parity for r in rows))
+    missing = "--png plots parity SQNR, and none of the files is a parity run"
+    plt, fig, axes, parity, cases = _panels(
+        labelled, "parity", lambda r: r["status"] != "skipped", _sqnr_case, missing, 0.3
+    )
     series = list(dict.fromkeys(_series(r) for _, rows in parity for r in rows))
     colors = {name: f"C{i % 10}" for i, name in enumerate(series)}  # one colour per backend in every panel
-    fig, axes = plt.subplots(
-        1, len(parity), figsize=(6 * len(parity) + 3, 0.3 * len(cases) + 2.5), squeeze=False, sharey=True
-    )
     height = 0.8 / len(series)
-    for ax, (label, rows) in zip(axes[0], parity):
+    for ax, (label, rows) in zip(axes, parity):
         for s, name in enumerate(series):
             mine = [r for r in rows if _series(r) == name]
-            ys = [cases.index(f"{r['op']} {r['recipe']} {r['case']}") + s * height for r in mine]
+            ys = [cases.index(_sqnr_case(r)) + s * height for r in mine]
             widths = [max(min(_headroom(r), _PLOT_CEILING_DB), -_PLOT_CEILING_DB) for r in mine]
             edges = ["red" if r["status"] != "pass" else "none" for r in mine]
             ax.barh(ys, widths, height, color=colors[name], edgecolor=edges, linewidth=1.5, label=name)
@@ -213,48 +228,31 @@ def plot_sqnr_png(labelled: list[tuple[str, dict]], path: str) -> None:
             f"dB above the bar vs fp32 (tightest of out, grad_input, grad_weight; capped at {_PLOT_CEILING_DB:g})",
             fontsize=7,
         )
-    axes[0, 0].set_yticks([i + 0.4 - height / 2 for i in range(len(cases))], cases, fontsize=7)
-    axes[0, 0].invert_yaxis()
-    handles, names = axes[0, 0].get_legend_handles_labels()
-    for ax in axes[0, 1:]:  # backends seen only in later panels
-        for handle, name in zip(*ax.get_legend_handles_labels()):
-            if name not in names:
-                handles.append(handle)
-                names.append(name)
-    fig.legend(handles, names, loc="lower center", ncol=min(len(names), 4), fontsize=7)
-    fig.suptitle("titan-primus parity: SQNR headroom per case and backend (below 0 or red edge = failed)", fontsize=10)
-    fig.tight_layout(rect=(0, 0.06, 1, 0.97))
-    prepare_output(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    axes[0].set_yticks([i + 0.4 - height / 2 for i in range(len(cases))], cases, fontsize=7)
+    axes[0].invert_yaxis()
+    title = "titan-primus parity: SQNR headroom per case and backend (below 0 or red edge = failed)"
+    _finish(plt, fig, axes, path, title, 0.06)
 
 
 _MEMORY_COLORS = {"activation_fp8": "C0", "activation_hp": "C1", "weight_copy": "C3", "other": "C7"}
 
 
+def _memory_case(row: dict) -> str:
+    return f"{row['backend']} {row['recipe']} {row['op']} {row['case']}"
+
+
 def plot_memory_png(labelled: list[tuple[str, dict]], path: str) -> None:
     """Per audited layer, the bytes it keeps for backward stacked by kind (weight copies in red);
     one panel per memory file."""
-    plt = pyplot()
-    memory = [
-        (label, [r for r in doc["results"] if r["status"] == "ok"])
-        for label, doc in labelled
-        if doc["kind"] == "memory"
-    ]
-    if not memory:
-        raise ResultsFileError("no file is a bench --memory run")
-    cases = list(
-        dict.fromkeys(f"{r['backend']} {r['recipe']} {r['op']} {r['case']}" for _, rows in memory for r in rows)
+    plt, fig, axes, memory, cases = _panels(
+        labelled, "memory", lambda r: r["status"] == "ok", _memory_case, "no file is a bench --memory run", 0.25
     )
-    fig, axes = plt.subplots(
-        1, len(memory), figsize=(6 * len(memory) + 3, 0.25 * len(cases) + 2.5), squeeze=False, sharey=True
-    )
-    for ax, (label, rows) in zip(axes[0], memory):
+    for ax, (label, rows) in zip(axes, memory):
         left = [0.0] * len(cases)
         for category, color in _MEMORY_COLORS.items():
             ys, widths, starts = [], [], []
             for r in rows:
-                i = cases.index(f"{r['backend']} {r['recipe']} {r['op']} {r['case']}")
+                i = cases.index(_memory_case(r))
                 ys.append(i)
                 widths.append(r["kept"][category] / 1024)
                 starts.append(left[i])
@@ -262,22 +260,16 @@ def plot_memory_png(labelled: list[tuple[str, dict]], path: str) -> None:
             ax.barh(ys, widths, left=starts, color=color, label=category.replace("_", " "))
         ax.set_title(label, fontsize=9)
         ax.set_xlabel("KiB kept from forward to backward, besides the parameter", fontsize=7)
-    axes[0, 0].set_yticks(range(len(cases)), cases, fontsize=6)
-    axes[0, 0].invert_yaxis()
-    handles, names = axes[0, 0].get_legend_handles_labels()
-    fig.legend(handles, names, loc="lower center", ncol=len(names), fontsize=7)
-    fig.suptitle("titan-primus bench --memory: what each converted layer keeps for backward", fontsize=10)
-    fig.tight_layout(rect=(0, 0.05, 1, 0.97))
-    prepare_output(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    axes[0].set_yticks(range(len(cases)), cases, fontsize=6)
+    axes[0].invert_yaxis()
+    _finish(plt, fig, axes, path, "titan-primus bench --memory: what each converted layer keeps for backward", 0.05)
 
 
 def command(paths: list[str], png: str | None, out) -> int:
     labelled = [(_label(p, doc), doc) for p, doc in ((p, load_document(p)) for p in paths)]
     validate = [(Path(p).name, doc) for p, (_, doc) in zip(paths, labelled) if doc["kind"] == "validate"]
     if validate:  # validate files render on their own: verdicts, runs, curves
-        from .validate.report import plot_validate_png, render_validate_markdown
+        from .validate_results import plot_validate_png, render_validate_markdown
 
         if len(validate) < len(labelled):
             raise ResultsFileError("validate files are rendered on their own: give them without parity/bench files")
@@ -299,3 +291,25 @@ def command(paths: list[str], png: str | None, out) -> int:
             targets.append(target)
         out.write("".join(f"\nPNG written to {t}\n" for t in targets))
     return 0
+
+
+def register(commands) -> None:
+    """Adds the command's parser to ``commands`` (the subparsers of ``titan-primus``)."""
+    report = commands.add_parser(
+        "report",
+        help="render parity/bench/memory JSON files side by side as Markdown (or a validate file)",
+        description="Render parity, bench and bench --memory results files side by side as Markdown, optionally a PNG plot.",
+    )
+    report.add_argument("files", nargs="+", metavar="FILE", help="results files written with --json")
+    report.add_argument(
+        "--png",
+        metavar="PATH",
+        help="also plot SQNR per case per backend (parity files) or bytes kept per layer (memory files) "
+        "to PATH; both kinds: the memory plot goes to PATH with '-memory' before the suffix "
+        "(needs matplotlib); a validate file: its loss curves, tokens/s and memory",
+    )
+    report.set_defaults(run=run)
+
+
+def run(args) -> int:
+    return command(args.files, args.png, sys.stdout)

@@ -32,6 +32,8 @@ compilation.
 from __future__ import annotations
 
 import time
+from collections import Counter
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 
 import torch
@@ -39,12 +41,16 @@ import torch.nn.functional as F
 
 from .. import registry
 from ..attention import AttentionSite, attend, attention_backends, attention_refusal, backend_route
-from ..device import DeviceProfile
+from ..device import DeviceProfile, detect_device
 from ..numerics import sdpa
 from ..recipes import with_token_groups_padded_to
 from ..routing import RoutingDecision, select_backend
-from .environment import ATTENTION_RECIPE, describe_error, why_not
+from .environment import ATTENTION_RECIPE, describe_error, environment, why_not
 from .model_shapes import ARCHITECTURES, AttentionHeads
+from .results import document
+from .sentinel_cost import sentinel_cost
+from .traffic.ep import ep_traffic_rows
+from .traffic.fsdp import traffic_rows
 
 __all__ = [
     "ATTENTION_FLOPS",
@@ -57,6 +63,7 @@ __all__ = [
     "AttentionShape",
     "BenchShape",
     "Peak",
+    "bench_document",
     "cpu_note",
     "peak_for",
     "run_attention_bench",
@@ -407,3 +414,52 @@ def run_attention_bench(
         if progress is not None:
             progress.finished()
     return rows
+
+
+def bench_document(
+    recipes: list[str],
+    quick: bool,
+    compile: bool,
+    iters: int | None,
+    warmup: int | None,
+    fsdp_ranks: int,
+    progress=None,
+) -> dict:
+    """Everything ``titan-primus bench`` measures on this machine, as its results document: the
+    timed rows, and in its settings the timing, the sentinel's cost (eager: compile refuses the
+    sentinel) and the modelled FSDP2 all-gather (``fsdp_ranks`` ranks) and expert-parallel
+    all-to-all traffic. ``progress(total)``, when given, is a context giving the reporter
+    :func:`run_bench` tells each shape."""
+    profile = detect_device()
+    on_gpu = profile.kind != "cpu"
+    divisor = 1 if on_gpu else QUICK_CPU_DIVISOR if quick else CPU_DIVISOR
+    shapes = [
+        s.scaled(divisor)
+        for s in ((LINEAR_SHAPES[0], GROUPED_SHAPES[0]) if quick else (*LINEAR_SHAPES, *GROUPED_SHAPES))
+    ]
+    attention_shapes = [s.scaled(divisor) for s in ATTENTION_SHAPES]
+    timing = (warmup or (1 if quick or not on_gpu else 5), iters or (1 if quick else 20 if on_gpu else 3))
+    started = time.perf_counter()
+    with (progress or (lambda total: nullcontext()))(len(shapes) + len(attention_shapes)) as reporter:
+        rows = run_bench(shapes, recipes, timing, profile, compile, reporter)
+        rows += run_attention_bench(attention_shapes, timing, profile, compile, reporter)
+    seconds = time.perf_counter() - started
+    found = peak_for(profile.name)
+    settings = {
+        "recipes": recipes,
+        "quick": quick,
+        "mode": "torch.compile" if compile else "eager",
+        "warmup": timing[0],
+        "iters": timing[1],
+        "shape_divisor": divisor,
+        "peak": {"device": found[0], "fp8_tflops": found[1].fp8, "bf16_tflops": found[1].bf16} if found else None,
+        "note": "" if on_gpu else cpu_note(divisor),
+        "attention_flops": ATTENTION_FLOPS,
+        "fsdp_all_gather_model": traffic_rows(fsdp_ranks),
+        "ep_all_to_all_model": ep_traffic_rows(),
+        "sentinel_cost": sentinel_cost(shapes, recipes[0], timing, profile, gemm_step, time_ms),
+    }
+    counts = Counter(r["status"] for r in rows)
+    summary = {status: counts[status] for status in ("ok", "error", "skipped")}
+    summary["seconds"] = round(seconds, 2)
+    return document("bench", environment(profile), settings, rows, summary)

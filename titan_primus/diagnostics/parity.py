@@ -30,7 +30,10 @@ it is a failure.
 
 from __future__ import annotations
 
+import time
 import zlib
+from collections import Counter
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from itertools import combinations
@@ -62,8 +65,8 @@ from ..numerics import (
 from ..ops import fp8_grouped_mm, fp8_linear
 from ..recipes import RECIPE_NAMES, Fp8Recipe
 from ..routing import BackendUnavailableError, select_backend
-from .environment import ATTENTION_RECIPE, describe_error, why_not
-from .results import db_value, format_db
+from .environment import ATTENTION_RECIPE, describe_error, environment, why_not
+from .results import db_value, document, format_db
 
 __all__ = [
     "DEFAULT_ATTENTION_CASES",
@@ -76,6 +79,8 @@ __all__ = [
     "GroupedCase",
     "LinearCase",
     "Row",
+    "differing_definitions",
+    "parity_document",
     "parity_settings",
     "require_problems",
     "run_matrix",
@@ -607,3 +612,34 @@ def parity_settings(profile: DeviceProfile, cases, quick: bool, required: list[s
             "same_definition": SAME_DEFINITION_BAR_DB,
         },
     }
+
+
+def differing_definitions(rows: list[Row]) -> list[tuple[str, str, list[str]]]:
+    """(recipe, device profile, its definitions) for each recipe the backends of ``rows`` define
+    differently on a profile: those rows are compared with fp32 and the emulation of their own
+    definition, not with each other."""
+    definitions: dict[tuple[str, str], set[str]] = {}
+    for r in rows:
+        definitions.setdefault((r.recipe, r.device), set()).add(r.definition)
+    return [(recipe, device, sorted(found)) for (recipe, device), found in definitions.items() if len(found) > 1]
+
+
+def parity_document(profile: DeviceProfile, quick: bool, required: list[str], progress=None) -> tuple[dict, list[Row]]:
+    """The matrix (the quick case set with ``quick``) run under ``profile``, as its results document
+    and its rows; the summary's ``ok`` is false when a case failed or raised or a backend in
+    ``required`` did not run. ``progress(total)``, when given, is a context giving the reporter
+    :func:`run_matrix` tells each cell."""
+    cases = QUICK_CASES if quick else DEFAULT_CASES
+    attention_cases = QUICK_ATTENTION_CASES if quick else DEFAULT_ATTENTION_CASES
+    started = time.perf_counter()
+    with (progress or (lambda total: nullcontext()))(len(cases) * len(RECIPE_NAMES) + len(attention_cases)) as reporter:
+        rows = run_matrix(profile, cases, RECIPE_NAMES, reporter, attention_cases)
+    seconds = time.perf_counter() - started
+    missing = require_problems(rows, required, profile)
+    counts = Counter(r.status for r in rows)
+    summary = {status: counts[status] for status in ("pass", "fail", "error", "skipped")}
+    summary.update(
+        required_missing=missing, ok=not (counts["fail"] or counts["error"] or missing), seconds=round(seconds, 2)
+    )
+    settings = parity_settings(profile, cases, quick, required, attention_cases)
+    return document("parity", environment(profile), settings, [r.to_json() for r in rows], summary), rows

@@ -5,23 +5,14 @@ did not run."""
 
 from __future__ import annotations
 
-import time
-from collections import Counter, defaultdict
+import sys
 
+from ..arguments import add_profile, add_switch
 from ... import registry
 from ...device import DeviceProfile
-from ...diagnostics.environment import environment, resolve_profile
-from ...diagnostics.parity import (
-    DEFAULT_ATTENTION_CASES,
-    DEFAULT_CASES,
-    QUICK_ATTENTION_CASES,
-    QUICK_CASES,
-    Row,
-    parity_settings,
-    require_problems,
-    run_matrix,
-)
-from ...diagnostics.results import document, prepare_output, write_document
+from ...diagnostics.environment import resolve_profile
+from ...diagnostics.parity import Row, differing_definitions, parity_document
+from ...diagnostics.results import format_db, prepare_output, write_document
 from ...numerics import (
     ATTENTION_QUANTITIES,
     E4M3_BAR_DB,
@@ -32,11 +23,10 @@ from ...numerics import (
     SAME_DEFINITION_BAR_DB,
 )
 from ...recipes import RECIPE_NAMES
+from ..formatting import column_table, skip_lines
 from ..progress import progress
-from ...diagnostics.results import format_db
-from ..report import markdown_table, skip_lines
 
-__all__ = ["command", "render"]
+__all__ = ["command", "register", "render", "run"]
 
 
 def _same_definition_cell(row: Row) -> str:
@@ -46,36 +36,39 @@ def _same_definition_cell(row: Row) -> str:
     return f"vs {cross[0].against}: {format_db(min(c.sqnr_db for c in cross))}"
 
 
+def _fp32_cell(quantity: str):
+    def cell(row: Row) -> str:
+        found = [c.sqnr_db for c in row.checks if c.against == "fp32" and c.quantity == quantity]
+        return format_db(found[0]) if found else "-"
+
+    return cell
+
+
 def _sqnr_table(rows: list[Row], quantities, headers: list[str]) -> str:
     """One line per row that ran: its SQNR vs fp32 per quantity, the same-definition cell, the status."""
-    table = []
-    for r in rows:
-        fp32 = {c.quantity: c.sqnr_db for c in r.checks if c.against == "fp32"}
-        table.append(
-            [
-                r.op,
-                r.recipe,
-                r.case,
-                r.device,
-                r.label + (" *" if r.routed else ""),
-                *(format_db(fp32[q]) if q in fp32 else "-" for q in quantities),
-                _same_definition_cell(r),
-                r.status,
-            ]
-        )
-    labels = ["op", "recipe", "case", "profile", "backend (definition)", *headers, "same definition", "status"]
-    return markdown_table(labels, table)
+    columns = (
+        ("op", lambda r: r.op),
+        ("recipe", lambda r: r.recipe),
+        ("case", lambda r: r.case),
+        ("profile", lambda r: r.device),
+        ("backend (definition)", lambda r: r.label + (" *" if r.routed else "")),
+        *zip(headers, map(_fp32_cell, quantities)),
+        ("same definition", _same_definition_cell),
+        ("status", lambda r: r.status),
+    )
+    return column_table(columns, rows)
 
 
-def render(
-    rows: list[Row], profile: DeviceProfile, cases, required_missing: list[str], seconds: float, attention_cases=()
-) -> str:
+def render(rows: list[Row], doc: dict, profile: DeviceProfile) -> str:
+    """The console report of a parity run: its rows and the document :func:`parity_document` made of them."""
     ran = [r for r in rows if r.status != "skipped"]
     skipped = [r for r in rows if r.status == "skipped"]
+    summary, cases = doc["summary"], doc["settings"]["cases"]
+    attention_cases = sum(c["op"] == "attention" for c in cases)
     lines = [
         (
-            f"titan-primus parity on {profile.describe()}: {len(cases)} shape cases x {len(RECIPE_NAMES)} recipes "
-            f"x {len(registry.backends())} backends, {len(attention_cases)} FP8 attention cases"
+            f"titan-primus parity on {profile.describe()}: {len(cases) - attention_cases} shape cases x "
+            f"{len(RECIPE_NAMES)} recipes x {len(registry.backends())} backends, {attention_cases} FP8 attention cases"
         ),
         (
             f"bars: vs fp32 {E4M3_BAR_DB:g} dB (e4m3 GEMMs), {E5M2_BAR_DB:g} dB (GEMMs with an e5m2 operand), "
@@ -92,10 +85,7 @@ def render(
     failed = [r for r in ran if r.status != "pass"]
     if failed:
         lines += ["", "failures:"] + [f"  {r.op}/{r.recipe}/{r.case} {r.label}: {r.status}: {r.reason}" for r in failed]
-    definitions: dict[tuple[str, str], set[str]] = defaultdict(set)
-    for r in ran:
-        definitions[r.recipe, r.device].add(r.definition)
-    differing = [(key, found) for key, found in definitions.items() if len(found) > 1]
+    differing = differing_definitions(ran)
     if differing:
         lines += [
             "",
@@ -103,18 +93,17 @@ def render(
                 "recipes defined differently by the backends here (each compared with fp32 and the emulation "
                 "of its own definition, not with each other):"
             ),
+            *(f"  {recipe} on {device}: {' vs '.join(found)}" for recipe, device, found in differing),
         ]
-        lines += [f"  {recipe} on {device}: {' vs '.join(sorted(found))}" for (recipe, device), found in differing]
     if skipped:
         lines += ["", f"skipped ({len(skipped)} cells):", *skip_lines([(r.backend, r.reason) for r in skipped])]
-    if required_missing:
-        lines += ["", "required backends that did not run:"] + [f"  {p}" for p in required_missing]
-    counts = Counter(r.status for r in rows)
+    if summary["required_missing"]:
+        lines += ["", "required backends that did not run:"] + [f"  {p}" for p in summary["required_missing"]]
     totals = ", ".join(
-        f"{counts[s]} {word}"
+        f"{summary[s]} {word}"
         for s, word in (("pass", "passed"), ("fail", "failed"), ("error", "errors"), ("skipped", "skipped"))
     )
-    lines += ["", f"{totals} in {seconds:.1f} s"]
+    lines += ["", f"{totals} in {summary['seconds']:.1f} s"]
     return "\n".join(lines) + "\n"
 
 
@@ -122,29 +111,43 @@ def command(device: str | None, quick: bool, required: list[str], json_path: str
     """Run the matrix, print it, write ``json_path``; 1 when a case failed or a required backend did not run."""
     profile = resolve_profile(device)
     prepare_output(json_path)
-    cases = QUICK_CASES if quick else DEFAULT_CASES
-    attention_cases = QUICK_ATTENTION_CASES if quick else DEFAULT_ATTENTION_CASES
-    started = time.perf_counter()
-    total = len(cases) * len(RECIPE_NAMES) + len(attention_cases)
-    with progress("parity", total, err) as reporter:
-        rows = run_matrix(profile, cases, RECIPE_NAMES, reporter, attention_cases)
-    seconds = time.perf_counter() - started
-    missing = require_problems(rows, required, profile)
-    counts = Counter(r.status for r in rows)
-    ok = not (counts["fail"] or counts["error"] or missing)
-    out.write(render(rows, profile, cases, missing, seconds, attention_cases))
+    doc, rows = parity_document(profile, quick, required, lambda total: progress("parity", total, err))
+    out.write(render(rows, doc, profile))
     if json_path:
-        summary = {status: counts[status] for status in ("pass", "fail", "error", "skipped")}
-        summary.update(required_missing=missing, ok=ok, seconds=round(seconds, 2))
-        write_document(
-            json_path,
-            document(
-                "parity",
-                environment(profile),
-                parity_settings(profile, cases, quick, required, attention_cases),
-                [r.to_json() for r in rows],
-                summary,
-            ),
-        )
+        write_document(json_path, doc)
         out.write(f"JSON written to {json_path}\n")
-    return 0 if ok else 1
+    return 0 if doc["summary"]["ok"] else 1
+
+
+def register(commands) -> None:
+    """Adds the command's parser to ``commands`` (the subparsers of ``titan-primus``)."""
+    parity = commands.add_parser(
+        "parity",
+        help="SQNR of every backend against fp32 and each other (exit 1 when a case fails)",
+        description="Run op x recipe x shape case x backend and check SQNR of out, grad_input and grad_weight.",
+    )
+    add_profile(parity, "device profile to test under (default: detected)")
+    parity.add_argument("--json", metavar="PATH", help="write the full matrix to PATH (docs/json-schema.md)")
+    parity.add_argument(
+        "--require",
+        action="append",
+        default=[],
+        metavar="BACKEND",
+        help="fail unless BACKEND is available and runs (repeatable)",
+    )
+    add_switch(parity, "--quick", "a small case set (seconds on a CPU)")
+    parity.add_argument(
+        "--replay",
+        metavar="FILE",
+        help="instead of the matrix, re-run a GEMM call the numerics sentinel saved on a breach, on "
+        "every backend here, against the emulation (exit 1 when a backend here differs)",
+    )
+    parity.set_defaults(run=run)
+
+
+def run(args) -> int:
+    if args.replay:
+        from . import replay
+
+        return replay.command(args.replay, args.device, args.json, sys.stdout)
+    return command(args.device, args.quick, args.require, args.json, sys.stdout, sys.stderr)

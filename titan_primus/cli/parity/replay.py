@@ -11,7 +11,7 @@ import time
 from ...diagnostics.replay import replay, replay_document
 from ...diagnostics.results import prepare_output, write_document
 from ...numerics import QUANTITIES
-from ..report import markdown_table
+from ..formatting import markdown_table
 
 __all__ = ["command"]
 

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import math
 
-from ..formatting import markdown_table, pyplot
-from ...diagnostics.results import prepare_output
-from ...diagnostics.validate.verdicts import median_tps, peak_memory
+from .formatting import column_table, markdown_table, pyplot, save_png
+from ..diagnostics.validate.verdicts import median_tps, peak_memory
 
 __all__ = ["plot_validate_png", "render_validate_markdown"]
 
@@ -20,6 +19,18 @@ def _pct(x) -> str:
 
 def _last_loss(steps: list[dict]) -> str:
     return f"{float(steps[-1]['loss']):.4f}" if steps else "-"
+
+
+_RUN_COLUMNS = (
+    ("run", lambda r: r["role"]),
+    ("seed", lambda r: str(r["seed"]) + (" + last bit" if r.get("last_bit") else "")),
+    ("steps", lambda r: str(len(r["steps"]))),
+    ("last loss", lambda r: _last_loss(r["steps"])),
+    ("tokens/s (median)", lambda r: f"{median_tps(r['steps']):,.0f}" if r["steps"] else "-"),
+    ("peak memory GiB", lambda r: f"{peak_memory(r['steps']) / 2**30:.3f}" if r["steps"] else "-"),
+    ("wall s", lambda r: f"{r.get('wall_s', '-')}"),
+    ("status", lambda r: r["status"] if r["status"] == "ok" else f"{r['status']}: {r.get('reason', '')}"),
+)
 
 
 def render_validate_markdown(doc: dict, label: str) -> str:
@@ -54,27 +65,8 @@ def render_validate_markdown(doc: dict, label: str) -> str:
         out.append("")
     for result in doc["results"]:
         out += [f"## {result['config']} ({result['module']}; FP8: titan_primus {result['fp8_config']})", ""]
-        rows = []
-        for role, run in result["runs"].items():
-            steps = run["steps"]
-            rows.append(
-                [
-                    role,
-                    str(run["seed"]) + (" + last bit" if run.get("last_bit") else ""),
-                    str(len(steps)),
-                    _last_loss(steps),
-                    f"{median_tps(steps):,.0f}" if steps else "-",
-                    f"{peak_memory(steps) / 2**30:.3f}" if steps else "-",
-                    f"{run.get('wall_s', '-')}",
-                    run["status"] if run["status"] == "ok" else f"{run['status']}: {run.get('reason', '')}",
-                ]
-            )
-        out += [
-            markdown_table(
-                ["run", "seed", "steps", "last loss", "tokens/s (median)", "peak memory GiB", "wall s", "status"], rows
-            ),
-            "",
-        ]
+        runs = [{"role": role, **run} for role, run in result["runs"].items()]
+        out += [column_table(_RUN_COLUMNS, runs), ""]
         floors = result.get("floors", {})
         if floors:
             rows = [
@@ -154,7 +146,4 @@ def plot_validate_png(labelled: list[tuple[str, dict]], path: str) -> None:
         mem_ax.invert_yaxis()
         device = "peak RSS" if doc["environment"].get("gpus_visible", 0) == 0 else "peak device memory"
         mem_ax.set_title(f"memory: {device}, GiB", fontsize=9)
-    fig.tight_layout()
-    prepare_output(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_png(plt, fig, path)
