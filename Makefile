@@ -1,7 +1,12 @@
 # `make test` and `make demo` set themselves up: .venv is created when missing and everything the
 # project needs is installed into it from pyproject.toml.
 PYTHON ?= python3
-VENV   := .venv
+# Where the venvs are made: in the checkout unless VENVS names a folder. A venv's path is part of the
+# key inductor gives each C++ kernel it compiles (the venv's torch headers are on the compiler's
+# command line), so a venv at a new path compiles every kernel again even where INDUCTOR_CACHE has
+# it: ci/cpu.sh makes its venvs in one folder outside the clone, the same for every clone.
+VENVS  ?= .
+VENV   := $(VENVS)/.venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 # One thread per process: on 2-core machines 2 threads made training steps 3-15x slower.
@@ -12,7 +17,7 @@ STAMP  := $(VENV)/.installed
 # INDUCTOR_CACHE= (empty) keeps it in the venv instead, as before.
 INDUCTOR_CACHE ?= $(HOME)/.cache/titan-primus/inductor
 inductor_key = $(shell $(1)/bin/python -c "import hashlib, torch; cpu = [l for l in open('/proc/cpuinfo') if l.startswith(('model name', 'flags'))][:2]; print(torch.__version__, torch.version.git_version[:12], hashlib.sha256(''.join(cpu).encode()).hexdigest()[:12], sep='-')")
-inductor_dir = $(if $(INDUCTOR_CACHE),$(INDUCTOR_CACHE)/$(call inductor_key,$(1)),$(CURDIR)/$(1)/inductor-cache)
+inductor_dir = $(if $(INDUCTOR_CACHE),$(INDUCTOR_CACHE)/$(call inductor_key,$(1)),$(abspath $(1))/inductor-cache)
 run     = OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TORCHINDUCTOR_CACHE_DIR=$(call inductor_dir,$(1))
 
 # Test processes (pytest-xdist): one per core, at most 4 (a TorchTitan trainer test runs up to two
@@ -33,7 +38,7 @@ OLDEST_TORCHTITAN := 0.2.2
 # the module is missing, so a ROCm Triton is never replaced.
 ensure_triton = $(1) -c "import triton" 2>/dev/null || $(1) -m pip install -q triton
 
-.PHONY: setup setup-oldest lint test test-newest test-turbo test-turbo-more test-tt02 test-oldest test-tt-next demo clean
+.PHONY: setup setup-oldest setup-tt02 lint test test-newest test-turbo test-turbo-more test-tt02 test-oldest test-tt-next demo clean
 
 setup: $(STAMP)
 
@@ -81,7 +86,7 @@ NEWEST_TORCHAO    := 0.18.0
 NEWEST_TORCHTITAN := 0.3.0
 
 test-newest:
-	$(MAKE) --no-print-directory test VENV=.venv-newest TORCH=$(NEWEST_TORCH) \
+	$(MAKE) --no-print-directory test VENV=$(VENVS)/.venv-newest TORCH=$(NEWEST_TORCH) \
 		STACK_PINS="torchao==$(NEWEST_TORCHAO) torchtitan==$(NEWEST_TORCHTITAN)"
 
 # The tier on Primus-Turbo's own Python and Triton code (tests/real_turbo), under Triton's
@@ -122,7 +127,7 @@ demo: $(STAMP)
 	$(call run,$(VENV)) $(PY) examples/demo.py $(if $(RECIPE),--recipe $(RECIPE))
 
 # TorchTitan 0.2.x and 0.3 cannot share a venv: tests_tt02 runs in its own, built the same way.
-VENV_TT02  := .venv-tt02
+VENV_TT02  := $(VENVS)/.venv-tt02
 PY_TT02    := $(VENV_TT02)/bin/python
 STAMP_TT02 := $(VENV_TT02)/.installed
 
@@ -134,6 +139,8 @@ $(STAMP_TT02): pyproject.toml
 	$(PY_TT02) -m pip install -q -e ".[test,torchtitan02]" "torchtitan==$(OLDEST_TORCHTITAN)"
 	$(call ensure_triton,$(PY_TT02))
 	touch $@
+
+setup-tt02: $(STAMP_TT02)
 
 # Every test but the trainer runs marked ``oldest``: test-oldest runs those, on the oldest stack
 # (each trainer run, the suite's costliest tests, runs on one stack only).
@@ -147,7 +154,7 @@ test-tt02: $(STAMP_TT02)
 # The TorchTitan 0.2.x suite again, on the oldest supported torch and torchao: every test but the
 # trainer runs, of which the ones marked ``oldest`` (FSDP2 with FP8 all-gather on deepseek_v3, a
 # DCP checkpoint resumed across rank counts), which test-tt02 leaves to it.
-VENV_OLDEST  := .venv-oldest
+VENV_OLDEST  := $(VENVS)/.venv-oldest
 PY_OLDEST    := $(VENV_OLDEST)/bin/python
 STAMP_OLDEST := $(VENV_OLDEST)/.installed
 
@@ -175,7 +182,7 @@ test-oldest: $(STAMP_OLDEST)
 TORCHTITAN_NEXT ?= $(shell for d in '$(CURDIR)' "$$(git -C '$(CURDIR)' config --get remote.origin.url)"; do \
 	[ -d "$$d" ] || continue; d=$$(cd "$$d" && pwd); while [ "$$d" != / ]; do d=$$(dirname "$$d"); \
 	if [ -d "$$d/shared/torchtitan-next" ]; then echo "$$d/shared/torchtitan-next"; exit 0; fi; done; done)
-VENV_TT_NEXT  := .venv-tt-next
+VENV_TT_NEXT  := $(VENVS)/.venv-tt-next
 PY_TT_NEXT    := $(VENV_TT_NEXT)/bin/python
 STAMP_TT_NEXT := $(VENV_TT_NEXT)/.installed
 TT_NEXT_TESTS := tests/test_converter.py tests/test_shapes.py tests/test_activation_checkpointing.py tests/test_trainer.py \

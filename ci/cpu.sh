@@ -9,31 +9,37 @@
 # ci/cpu-moe.sh's: jobs of the cpu workflow beside this one, so that this script, which .ci/run
 # runs on one 2-core machine, stays well under CI's time limit (docs/ci.md).
 #
-# Each suite has its own venv of 5-6 GB (torch's registry wheels are CUDA builds). A venv this
-# script created is removed once its suite has passed, so the run peaks at two venvs' worth of
-# disk (one where less than twice the check below is free) instead of three; venvs that were
-# there before are left alone.
+# Each suite has its own venv of 5-6 GB (torch's registry wheels are CUDA builds), made afresh by
+# each run in one folder outside the clone, the same for every clone on this machine
+# (TITAN_PRIMUS_CI_VENVS, default ~/.cache/titan-primus/ci-venvs; the Makefile's VENVS): a venv's
+# path is part of the key inductor gives each C++ kernel it compiles, so venvs in a fresh clone
+# compiled every kernel again (a compile-heavy part of the suite took 100 s there against 37 s at a
+# path seen before, 2026-12-05). One run at a time uses the folder (a lock). A venv is removed once
+# its suite has passed, so the run peaks at two venvs' worth of disk (one where less than twice the
+# check below is free) instead of three.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+export VENVS=${TITAN_PRIMUS_CI_VENVS:-$HOME/.cache/titan-primus/ci-venvs}
+mkdir -p "$VENVS"
+exec 9> "$VENVS/.lock"
+if ! flock -n 9; then
+    echo "ci/cpu.sh: another CI run holds $VENVS; waiting for it" >&2
+    flock 9
+fi
+
+# What an earlier run left (it failed, or was stopped) is not reused: each venv is made from this
+# clone's files.
+rm -rf "$VENVS/.venv" "$VENVS/.venv-tt02" "$VENVS/.venv-oldest"
+drop() { rm -rf "${VENVS:?}/$1"; }
+
 need_gb=8
-free_gb=$(df -Pk . | awk 'NR == 2 { print int($4 / 1048576) }')
+free_gb=$(df -Pk "$VENVS" | awk 'NR == 2 { print int($4 / 1048576) }')
 if ((free_gb < need_gb)); then
     echo "ci/cpu.sh: ${free_gb} GB free here; a suite's venv and pip's downloads need about" \
          "${need_gb} GB. Free some disk and rerun." >&2
     exit 1
 fi
-
-created=()
-for venv in .venv .venv-tt02 .venv-oldest; do
-    [[ -e $venv ]] || created+=("$venv")
-done
-drop_if_created() {
-    local venv
-    for venv in "${created[@]}"; do
-        if [[ $venv == "$1" ]]; then rm -rf "$venv"; fi
-    done
-}
 
 # Each step's wall time on stderr, for the table in docs/ci.md.
 timed() {
@@ -53,32 +59,35 @@ export TITAN_PRIMUS_TURBO_SOURCES
 
 # Building .venv-oldest downloads torch 2.12 and its CUDA libraries from PyPI: about 8 minutes
 # when pip's cache is cold, nearly all of it waiting on the network. Where the disk holds two
-# venvs, it is built in the background while make test keeps the CPUs busy.
-oldest_builder=
-if [[ ! -e .venv-oldest ]] && ((free_gb >= 2 * need_gb)); then
-    oldest_log=$(mktemp)
+# venvs, it is built in the background while make test keeps the CPUs busy, and where it holds
+# three, .venv-tt02 after it (about 90 s of pip, off the critical path).
+builder=
+if ((free_gb >= 2 * need_gb)); then
+    builder_log=$(mktemp)
+    background=(setup-oldest)
+    if ((free_gb >= 3 * need_gb)); then background+=(setup-tt02); fi
     # A process group of its own, so that a failure here stops the whole build.
-    setsid make setup-oldest > "$oldest_log" 2>&1 &
-    oldest_builder=$!
-    trap 'kill -- -"$oldest_builder" 2>/dev/null || true' EXIT
+    setsid make "${background[@]}" > "$builder_log" 2>&1 &
+    builder=$!
+    trap 'kill -- -"$builder" 2>/dev/null || true' EXIT
 fi
 
 timed make test
-timed env OMP_NUM_THREADS=1 PATH="$PWD/.venv/bin:$PATH" ci/gate.sh cpu
+timed env OMP_NUM_THREADS=1 PATH="$VENVS/.venv/bin:$PATH" ci/gate.sh cpu
 # validate: --quick (llama3) runs in make test's suite, from a wheel of this checkout
 # (tests/test_validate.py), which fails on its verdicts; the MoE validate is the cpu workflow's
 # cpu-moe job (ci/cpu-moe.sh), beside this one.
-drop_if_created .venv
-if [[ -n $oldest_builder ]]; then
-    echo "== make setup-oldest (built in the background)"
+drop .venv
+if [[ -n $builder ]]; then
+    echo "== make ${background[*]} (built in the background)"
     status=0
-    wait "$oldest_builder" || status=$?
+    wait "$builder" || status=$?
     trap - EXIT
-    cat "$oldest_log"
-    rm -f "$oldest_log"
+    cat "$builder_log"
+    rm -f "$builder_log"
     if ((status)); then exit "$status"; fi
 fi
 timed make test-oldest
-drop_if_created .venv-oldest
+drop .venv-oldest
 timed make test-tt02
-drop_if_created .venv-tt02
+drop .venv-tt02
