@@ -158,6 +158,32 @@ def test_third_party_backend_wins_when_it_ranks_higher():
     assert tp.select_backend("linear", "rowwise", "sm90").backend_name == "torchao"
 
 
+class _TiedBackend(EmulatedBackend):
+    """A plugin built on the emulation: it ranks as the emulation does, everywhere."""
+
+    name = "vendor_tied"
+
+
+def test_a_plugin_that_ties_a_built_in_does_not_win():
+    """docs/plugins.md: a plugin is chosen where its rank beats the built-ins'. On a tie the built-in
+    keeps the op, in routing and as the preferred backend; the registry lists built-ins first."""
+
+    class Plugin:
+        @hookimpl
+        def titan_primus_register_backends(self):
+            return [_TiedBackend()]
+
+    plugin = Plugin()
+    tp.registry.register(plugin, name="tied")
+    try:
+        assert list(tp.registry.backends())[-1] == "vendor_tied"
+        assert tp.select_backend("linear", "rowwise", "cpu").backend_name == "emulated"
+        assert tp.select_backend("linear", "rowwise", "cpu", "vendor_tied").backend_name == "vendor_tied"
+        assert tp.routing.preferred_backend(tp.device_profile("cpu")).name == "emulated"
+    finally:
+        tp.registry.unregister(plugin)
+
+
 class _OnRequestBackend(_BetterBackend):
     """Ranks first on sm90 but, for tensorwise, runs only when requested by name."""
 

@@ -38,8 +38,10 @@ def backends() -> dict[str, Fp8Backend]:
     pm = plugin_manager()
     found: dict[str, Fp8Backend] = {}
     owner: dict[str, str] = {}
-    # pluggy calls the last registered plugin first; reverse so built-ins come first.
-    for impl in reversed(pm.hook.titan_primus_register_backends.get_hookimpls()):
+    # get_hookimpls() lists plugins in the order they were registered (pluggy calls them in the
+    # reverse order): built-ins first, so that routing, which keeps this order among backends of
+    # equal rank, gives a tie to a built-in.
+    for impl in pm.hook.titan_primus_register_backends.get_hookimpls():
         for backend in impl.function():
             if not isinstance(backend, Fp8Backend):
                 raise TypeError(f"plugin {impl.plugin_name!r} returned {backend!r}, which is not an Fp8Backend")
