@@ -69,3 +69,14 @@ def test_every_seam_of_the_0_2_line_finds_its_target():
     version, seams = line_seams()
     assert version.startswith("0.2") and {s.row()["missing"] for s in seams} == {None}
     assert {s.name for s in seams} >= {"sentinel_train_step", "cpu_device", "fp8_expert_parallel"}
+
+
+def test_every_torchtitan_import_of_the_0_2_line_is_there():
+    """docs/upgrades.md's TorchTitan 0.2.2 rows: each name the 0.2 line imports resolves here."""
+    from titan_primus.diagnostics.contracts import resolve, torchtitan_imports
+
+    imports = torchtitan_imports("v0_2")
+    assert "torchtitan.models.moe.moe.GroupedExperts" in imports
+    for name, (_, optional) in imports.items():
+        if not optional:
+            resolve(name)

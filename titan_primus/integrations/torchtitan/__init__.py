@@ -17,13 +17,14 @@ import importlib
 from .common.imports import installed_version
 from .common.trainer import TrainerLine
 
-__all__ = ["LINES", "TrainerLine", "line_seams", "trainer_line"]
+__all__ = ["LINES", "TrainerLine", "installed_line", "line_seams", "trainer_line"]
 
 # The version prefix of each supported line -> its package.
 LINES = {"0.3": "v0_3", "0.2": "v0_2"}
 
 
-def _installed_line() -> tuple[str | None, str | None]:
+def installed_line() -> tuple[str | None, str | None]:
+    """(the installed torchtitan's version or None, the package of its line or None)."""
     version = installed_version("torchtitan")
     for prefix, package in LINES.items():
         if version and version.startswith(prefix):
@@ -33,7 +34,7 @@ def _installed_line() -> tuple[str | None, str | None]:
 
 def trainer_line() -> TrainerLine:
     """The line of the installed torchtitan, or ValueError naming the fix."""
-    version, package = _installed_line()
+    version, package = installed_line()
     if package is None:
         raise ValueError(
             f"validate drives TorchTitan 0.3's or 0.2.x's trainer; this environment has torchtitan "
@@ -44,7 +45,7 @@ def trainer_line() -> TrainerLine:
 
 def line_seams() -> tuple[str | None, tuple]:
     """(the installed torchtitan's version, the seams of its line: empty where no line fits)."""
-    version, package = _installed_line()
+    version, package = installed_line()
     if package is None:
         return version, ()
     return version, importlib.import_module(f"{__name__}.{package}.seams").SEAMS
