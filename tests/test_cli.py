@@ -95,6 +95,10 @@ def plugin_backend(request):
     tp.registry.unregister(plugin)
 
 
+# The tests that read these results run on one worker (--dist loadgroup), which makes them once.
+shares_results = pytest.mark.xdist_group("cli_results")
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     """Quick parity runs on the CPU and gfx942 profiles and a quick bench: results files, and the
@@ -233,6 +237,7 @@ def test_doctor_json_shows_plugins_and_a_named_profile(capsys, plugin_backend):
     assert {r["backend"] for r in diagnosis["routing"]} == {plugin_backend}
 
 
+@shares_results
 def test_parity_quick_passes_on_cpu_and_writes_the_schema(results):
     doc = strict_json(results["parity_cpu"])
     assert load_document(str(results["parity_cpu"])) == doc
@@ -259,6 +264,7 @@ def test_parity_quick_passes_on_cpu_and_writes_the_schema(results):
 
 
 @pytest.mark.parametrize("name", ["parity_cpu", "parity_gfx942"])
+@shares_results
 def test_parity_quick_runs_fp8_attention_on_the_emulation_against_fp32_sdpa(results, name):
     """Causal, full, GQA and a v head dim below q/k's; measured on this CPU at both profiles'
     formats (2026-12-02): out 25.6-27.5 dB, dq 23.3-23.9, dk 23.5-24.1, dv 25.2-27.0 against the
@@ -295,6 +301,7 @@ def test_parity_fails_fp8_attention_that_returns_nan(monkeypatch):
     assert "out has NaN/inf" in row.reason and "out vs fp32 -inf dB < 20" in row.reason
 
 
+@shares_results
 def test_parity_on_the_gfx942_profile_compares_differently_defined_recipes_with_fp32_only(results):
     rows = strict_json(results["parity_gfx942"])["results"]
     rowwise = [
@@ -362,6 +369,7 @@ def test_progress_names_each_item_before_it_runs():
     ]
 
 
+@shares_results
 def test_bench_quick_on_cpu_says_what_cpu_figures_mean(results):
     assert "CPU figures are not FP8 performance" in results["bench_out"]
     doc = strict_json(results["bench_cpu"])
@@ -408,6 +416,7 @@ def test_peaks_are_found_by_marketing_name():
     assert bench_lib.peak_for("CPU") is None
 
 
+@shares_results
 def test_report_renders_files_side_by_side_with_a_png(capsys, results, tmp_path):
     png = tmp_path / "sqnr.png"
     files = [str(results[name]) for name in ("parity_cpu", "parity_gfx942", "bench_cpu")]

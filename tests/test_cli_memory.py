@@ -19,6 +19,10 @@ from titan_primus.diagnostics.memory.model import ATTENTION_PATHS, BF16, GemmMem
 from titan_primus.diagnostics.model_shapes import ARCHITECTURES
 
 
+# The tests that read this audit run on one worker (--dist loadgroup), which makes it once.
+shares_quick = pytest.mark.xdist_group("bench_memory_quick")
+
+
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
     path = tmp_path_factory.mktemp("memory") / "memory.json"
@@ -27,6 +31,7 @@ def quick(tmp_path_factory):
     return path, out.getvalue()
 
 
+@shares_quick
 def test_bench_memory_audits_every_backend_here_and_writes_json(quick):
     path, text = quick
     doc = json.loads(path.read_text())
@@ -49,6 +54,7 @@ def test_bench_memory_audits_every_backend_here_and_writes_json(quick):
     assert not any(e["model"] == "DeepSeek-V3-671B" and e["column"].startswith("torchao") for e in doc["estimates"])
 
 
+@shares_quick
 def test_bench_memory_models_attention_and_checks_the_emulation_against_its_saved_tensors(quick):
     path, text = quick
     doc = json.loads(path.read_text())
@@ -79,6 +85,7 @@ def test_the_attention_model_tells_the_emulation_from_primus_turbos_fp8_path():
     assert measured == modelled(ATTENTION_PATHS[3]) and measured != modelled(ATTENTION_PATHS[2])
 
 
+@shares_quick
 def test_report_renders_memory_files_with_a_plot(capsys, quick, tmp_path):
     path, _ = quick
     png = tmp_path / "memory.png"

@@ -353,6 +353,10 @@ def _ep_run(tmp_path, name, override, options, config="deepseek_v3_debugmodel", 
 PRIMUS_ROWWISE = {"recipe": "rowwise", "device": "gfx942", "backend": "emulated"}
 
 
+# The tests that compare with these two runs go to one worker (--dist loadgroup), which makes them once.
+shares_eager_runs = pytest.mark.xdist_group("primus_rowwise_eager")
+
+
 @pytest.fixture(scope="module")
 def primus_rowwise_eager(tmp_path_factory):
     """deepseek_v3 debug, EP 2 on 2 gloo ranks (FSDP2 over both, TorchTitan's selective AC), the
@@ -365,6 +369,7 @@ def primus_rowwise_eager(tmp_path_factory):
 
 @pytest.mark.trainer
 @pytest.mark.multiprocess
+@shares_eager_runs
 def test_trainer_fp8_dispatch_on_primus_turbo_rowwise_changes_nothing_but_the_bytes(primus_rowwise_eager):
     """TorchTitan 0.3's trainer: Primus-Turbo's rowwise backward already casts the FP8 copy, so
     FP8 dispatch leaves its definition as it is: losses equal with the option on and off. Each
@@ -379,6 +384,7 @@ def test_trainer_fp8_dispatch_on_primus_turbo_rowwise_changes_nothing_but_the_by
 
 @pytest.mark.trainer
 @pytest.mark.multiprocess
+@shares_eager_runs
 def test_trainer_fp8_dispatch_compiled(primus_rowwise_eager, tmp_path):
     """The same run with --compile.enable (each block fullgraph, the FP8 all-to-all inside):
     against the eager run without FP8 dispatch. Measured (2026-12-01): compiled on and compiled

@@ -83,8 +83,8 @@ _ONCE: dict[str, dict] = {}
 def once_per_session(name: str, make: Callable[[], dict[int, float]]) -> dict[int, float]:
     """``make()`` ({step: loss}) run once per pytest session, whichever xdist worker asks first (the
     others wait on a file lock and read its result): a trainer run that several tests compare
-    against. (xdist_group cannot do it here: pytest-xdist 3.8 under pytest 9.2 leaves the mark
-    unused, so grouped tests still go to different workers.)"""
+    against, from tests in several modules (an ``xdist_group`` keeps tests on one worker, but
+    these are better spread over both)."""
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # one per session, the same in every worker
     if run is None:
         if name not in _ONCE:
