@@ -126,7 +126,7 @@ def test_parity_command_checks_primus_turbo_against_the_emulation(tmp_path, monk
     import json
 
     from titan_primus.cli import main
-    from titan_primus.cli.parity import command as parity
+    from titan_primus.diagnostics import parity
     from titan_primus.diagnostics.parity import GroupedCase, LinearCase
 
     monkeypatch.setattr(
