@@ -64,10 +64,12 @@ export TITAN_PRIMUS_TURBO_SOURCES
 builder=
 if ((free_gb >= 2 * need_gb)); then
     builder_log=$(mktemp)
-    background=(setup-oldest)
-    if ((free_gb >= 3 * need_gb)); then background+=(setup-tt02); fi
     # A process group of its own, so that a failure here stops the whole build.
-    setsid make "${background[@]}" > "$builder_log" 2>&1 &
+    if ((free_gb >= 3 * need_gb)); then
+        setsid make setup-oldest setup-tt02 > "$builder_log" 2>&1 &
+    else
+        setsid make setup-oldest > "$builder_log" 2>&1 &
+    fi
     builder=$!
     trap 'kill -- -"$builder" 2>/dev/null || true' EXIT
 fi
@@ -79,7 +81,7 @@ timed env OMP_NUM_THREADS=1 PATH="$VENVS/.venv/bin:$PATH" ci/gate.sh cpu
 # cpu-moe job (ci/cpu-moe.sh), beside this one.
 drop .venv
 if [[ -n $builder ]]; then
-    echo "== make ${background[*]} (built in the background)"
+    echo "== the venvs built in the background"
     status=0
     wait "$builder" || status=$?
     trap - EXIT
