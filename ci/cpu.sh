@@ -9,14 +9,15 @@
 # ci/cpu-moe.sh's: jobs of the cpu workflow beside this one, so that this script, which .ci/run
 # runs on one 2-core machine, stays well under CI's time limit (docs/ci.md).
 #
-# Each suite has its own venv of 5-6 GB (torch's registry wheels are CUDA builds), made afresh by
-# each run in one folder outside the clone, the same for every clone on this machine
-# (TITAN_PRIMUS_CI_VENVS, default ~/.cache/titan-primus/ci-venvs; the Makefile's VENVS): a venv's
-# path is part of the key inductor gives each C++ kernel it compiles, so venvs in a fresh clone
-# compiled every kernel again (a compile-heavy part of the suite took 100 s there against 37 s at a
-# path seen before, 2026-12-05). One run at a time uses the folder (a lock). A venv is removed once
-# its suite has passed, so the run peaks at two venvs' worth of disk (one where less than twice the
-# check below is free) instead of three.
+# Each suite has its own venv of 5-6 GB (torch's registry wheels are CUDA builds), in one folder
+# outside the clone, the same for every clone on this machine (TITAN_PRIMUS_CI_VENVS, default
+# ~/.cache/titan-primus/ci-venvs; the Makefile's VENVS): a venv's path is part of the key inductor
+# gives each C++ kernel it compiles, so venvs in a fresh clone compiled every kernel again (a
+# compile-heavy part of the suite took 100 s there against 37 s at a path seen before,
+# 2026-12-05). One run at a time uses the folder (a lock). A venv is kept for the next run while
+# what installs it is unchanged (a key of pyproject.toml and the Makefile, which hold every pin and
+# pip step), and made again from nothing when it changed; make installs this clone into it either
+# way (its stamp is older than a fresh clone's pyproject.toml).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -28,10 +29,14 @@ if ! flock -n 9; then
     flock 9
 fi
 
-# What an earlier run left (it failed, or was stopped) is not reused: each venv is made from this
-# clone's files.
-rm -rf "$VENVS/.venv" "$VENVS/.venv-tt02" "$VENVS/.venv-oldest"
-drop() { rm -rf "${VENVS:?}/$1"; }
+key=$(cat pyproject.toml Makefile | sha256sum | cut -c1-16)
+for venv in .venv .venv-tt02 .venv-oldest; do
+    if [[ $(cat "$VENVS/$venv/.ci-key" 2> /dev/null) != "$key" ]]; then
+        rm -rf "${VENVS:?}/$venv"
+        mkdir -p "$VENVS/$venv"
+        echo "$key" > "$VENVS/$venv/.ci-key"
+    fi
+done
 
 need_gb=8
 free_gb=$(df -Pk "$VENVS" | awk 'NR == 2 { print int($4 / 1048576) }')
@@ -79,7 +84,6 @@ timed env OMP_NUM_THREADS=1 PATH="$VENVS/.venv/bin:$PATH" ci/gate.sh cpu
 # validate: --quick (llama3) runs in make test's suite, from a wheel of this checkout
 # (tests/test_validate.py), which fails on its verdicts; the MoE validate is the cpu workflow's
 # cpu-moe job (ci/cpu-moe.sh), beside this one.
-drop .venv
 if [[ -n $builder ]]; then
     echo "== the venvs built in the background"
     status=0
@@ -90,6 +94,4 @@ if [[ -n $builder ]]; then
     if ((status)); then exit "$status"; fi
 fi
 timed make test-oldest
-drop .venv-oldest
 timed make test-tt02
-drop .venv-tt02
