@@ -1,5 +1,5 @@
 """What every command's output shares: Markdown tables that read in a terminal (declared column by
-column), the lines that close a run's report (errors, skipped cells, counts), and matplotlib for
+column), the lines that close a run's report (its errors and skipped cells), and matplotlib for
 PNG files."""
 
 from __future__ import annotations
