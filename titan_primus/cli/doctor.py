@@ -10,14 +10,13 @@ titan-primus patches are imported, to say whether each patch's target is there.
 
 from __future__ import annotations
 
+import json
 import sys
 
-from ..device import known_profiles
-from .arguments import add_profile, add_switch
-import json
-
 from ..backends.primus_turbo.release import describe_build
+from ..device import known_profiles
 from ..diagnostics.environment import diagnose
+from .arguments import add_profile, add_switch
 from .formatting import column_table, fields, markdown_table
 
 __all__ = ["command", "register", "render", "run"]

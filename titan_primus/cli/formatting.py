@@ -8,11 +8,12 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from ..diagnostics.results import ResultsFileError, prepare_output
+from ..diagnostics.results import ResultsFileError, prepare_output, write_document
 
 __all__ = [
     "Column",
     "column_table",
+    "emit",
     "fields",
     "markdown_table",
     "number",
@@ -65,6 +66,14 @@ def outcome_lines(rows: list[dict], noun: str, describe: Callable[[dict], str]) 
     if skipped:
         lines += ["", f"skipped ({len(skipped)} {noun}):", *skip_lines(skipped)]
     return lines
+
+
+def emit(out, text: str, doc: dict, json_path: str | None) -> None:
+    """A command's report ``text`` to ``out``, and its document to ``json_path`` where given."""
+    out.write(text)
+    if json_path:
+        write_document(json_path, doc)
+        out.write(f"JSON written to {json_path}\n")
 
 
 def pyplot():

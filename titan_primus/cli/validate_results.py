@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import math
 
-from .formatting import column_table, markdown_table, pyplot, save_png
 from ..diagnostics.validate.verdicts import median_tps, peak_memory
+from .formatting import column_table, markdown_table, pyplot, save_png
 
 __all__ = ["plot_validate_png", "render_validate_markdown"]
 
@@ -110,28 +110,18 @@ def plot_validate_png(labelled: list[tuple[str, dict]], path: str) -> None:
     rows = [(label, doc, result) for label, doc in labelled for result in doc["results"]]
     fig, axes = plt.subplots(len(rows), 3, figsize=(16, 4 * len(rows)), squeeze=False)
     for (label, doc, result), (loss_ax, tps_ax, mem_ax) in zip(rows, axes):
-        names, peaks = [], []
-        for role, run in result["runs"].items():
+        bars = []  # (run, peak GiB, colour)
+        baseline_runs = ((result.get("baseline") or {}).get("runs") or {}).items()
+        curves = [(role, run, *_STYLE.get(role, ("C7", "-")), 1.0) for role, run in result["runs"].items()]
+        curves += [(f"baseline {role}", run, _STYLE[role][0], "--", 0.6) for role, run in baseline_runs]
+        for name, run, color, style, alpha in curves:
             steps = run["steps"]
             if not steps:
                 continue
-            color, style = _STYLE.get(role, ("C7", "-"))
             xs = [s["step"] for s in steps]
-            loss_ax.plot(xs, [float(s["loss"]) for s in steps], style, color=color, lw=1, label=role)
-            tps_ax.plot(xs, [float(s["tps"]) for s in steps], style, color=color, lw=1, label=role)
-            names.append(role)
-            peaks.append(peak_memory(steps) / 2**30)
-        for role, run in ((result.get("baseline") or {}).get("runs") or {}).items():
-            steps = run["steps"]
-            if steps:
-                color, _ = _STYLE[role]
-                xs = [s["step"] for s in steps]
-                loss_ax.plot(xs, [float(s["loss"]) for s in steps], "--", color=color, lw=1, alpha=0.6)
-                loss_ax.lines[-1].set_label(f"baseline {role}")
-                tps_ax.plot(xs, [float(s["tps"]) for s in steps], "--", color=color, lw=1, alpha=0.6)
-                tps_ax.lines[-1].set_label(f"baseline {role}")
-                names.append(f"baseline {role}")
-                peaks.append(peak_memory(steps) / 2**30)
+            loss_ax.plot(xs, [float(s["loss"]) for s in steps], style, color=color, lw=1, alpha=alpha, label=name)
+            tps_ax.plot(xs, [float(s["tps"]) for s in steps], style, color=color, lw=1, alpha=alpha, label=name)
+            bars.append((name, peak_memory(steps) / 2**30, color))
         title = f"{result['config']} ({label}): {doc['summary']['status']}"
         loss_ax.set_title(f"loss: {title}", fontsize=9)
         tps_ax.set_title("tokens/s per step", fontsize=9)
@@ -139,10 +129,8 @@ def plot_validate_png(labelled: list[tuple[str, dict]], path: str) -> None:
             ax.set_xlabel("step")
             if ax.lines:  # a run that logged no step draws nothing
                 ax.legend(fontsize=7)
-        mem_ax.barh(
-            range(len(names)), peaks, color=[_STYLE.get(n.removeprefix("baseline "), ("C7",))[0] for n in names]
-        )
-        mem_ax.set_yticks(range(len(names)), names, fontsize=7)
+        mem_ax.barh(range(len(bars)), [peak for _, peak, _ in bars], color=[color for _, _, color in bars])
+        mem_ax.set_yticks(range(len(bars)), [name for name, _, _ in bars], fontsize=7)
         mem_ax.invert_yaxis()
         device = "peak RSS" if doc["environment"].get("gpus_visible", 0) == 0 else "peak device memory"
         mem_ax.set_title(f"memory: {device}, GiB", fontsize=9)

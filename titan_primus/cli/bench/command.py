@@ -4,14 +4,14 @@ traffic modelled by :mod:`titan_primus.diagnostics.traffic`)."""
 
 from __future__ import annotations
 
-from ...recipes import RECIPE_NAMES
-from ..arguments import add_count, add_profile, add_switch
 import sys
 
 from ...device import DeviceProfile, detect_device
 from ...diagnostics.bench import bench_document, peak_for
-from ...diagnostics.results import prepare_output, write_document
-from ..formatting import column_table, fields, number, outcome_lines
+from ...diagnostics.results import prepare_output
+from ...recipes import RECIPE_NAMES
+from ..arguments import add_count, add_profile, add_switch
+from ..formatting import column_table, emit, fields, number, outcome_lines
 from ..progress import progress
 from .traffic import render_ep_traffic, render_traffic
 
@@ -89,10 +89,7 @@ def command(
     doc = bench_document(
         recipes, quick, compile, iters, warmup, fsdp_ranks, lambda total: progress("bench", total, err or sys.stderr)
     )
-    out.write(render(doc, detect_device()))
-    if json_path:
-        write_document(json_path, doc)
-        out.write(f"JSON written to {json_path}\n")
+    emit(out, render(doc, detect_device()), doc, json_path)
     return 1 if doc["summary"]["error"] else 0
 
 

@@ -10,8 +10,8 @@ from ...device import DeviceProfile
 from ...diagnostics.environment import resolve_profile
 from ...diagnostics.memory.audit import memory_document
 from ...diagnostics.memory.saved import AUDIT_SHAPES, CATEGORIES
-from ...diagnostics.results import prepare_output, write_document
-from ..formatting import column_table, fields, number, outcome_lines
+from ...diagnostics.results import prepare_output
+from ..formatting import column_table, emit, fields, number, outcome_lines
 
 __all__ = ["command", "render"]
 
@@ -139,8 +139,5 @@ def command(
     profile = resolve_profile(device)
     prepare_output(json_path)
     doc = memory_document(profile, recipes, quick, fsdp_ranks, seq_len, local_batch)
-    out.write(render(doc, profile))
-    if json_path:
-        write_document(json_path, doc)
-        out.write(f"JSON written to {json_path}\n")
+    emit(out, render(doc, profile), doc, json_path)
     return 1 if doc["summary"]["error"] else 0

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import sys
 
-from ..arguments import add_profile, add_switch
 from ... import registry
 from ...device import DeviceProfile
 from ...diagnostics.environment import resolve_profile
 from ...diagnostics.parity import Row, differing_definitions, parity_document
-from ...diagnostics.results import format_db, prepare_output, write_document
+from ...diagnostics.results import format_db, prepare_output
 from ...numerics import (
     ATTENTION_QUANTITIES,
     E4M3_BAR_DB,
@@ -23,7 +22,8 @@ from ...numerics import (
     SAME_DEFINITION_BAR_DB,
 )
 from ...recipes import RECIPE_NAMES
-from ..formatting import column_table, skip_lines
+from ..arguments import add_profile, add_switch
+from ..formatting import column_table, emit, skip_lines
 from ..progress import progress
 
 __all__ = ["command", "register", "render", "run"]
@@ -112,10 +112,7 @@ def command(device: str | None, quick: bool, required: list[str], json_path: str
     profile = resolve_profile(device)
     prepare_output(json_path)
     doc, rows = parity_document(profile, quick, required, lambda total: progress("parity", total, err))
-    out.write(render(rows, doc, profile))
-    if json_path:
-        write_document(json_path, doc)
-        out.write(f"JSON written to {json_path}\n")
+    emit(out, render(rows, doc, profile), doc, json_path)
     return 0 if doc["summary"]["ok"] else 1
 
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import time
 
 from ...diagnostics.replay import replay, replay_document
-from ...diagnostics.results import prepare_output, write_document
+from ...diagnostics.results import prepare_output
 from ...numerics import QUANTITIES
-from ..formatting import markdown_table
+from ..formatting import emit, markdown_table
 
 __all__ = ["command"]
 
@@ -63,8 +63,5 @@ def command(path: str, device: str | None, json_path: str | None, out) -> int:
     started = time.perf_counter()
     rows, capture, profile = replay(path, device)
     seconds = time.perf_counter() - started
-    out.write(render(rows, capture, path, seconds))
-    if json_path:
-        write_document(json_path, replay_document(path, rows, capture, profile, seconds))
-        out.write(f"JSON written to {json_path}\n")
+    emit(out, render(rows, capture, path, seconds), replay_document(path, rows, capture, profile, seconds), json_path)
     return 1 if any(r["status"] in ("fail", "error") for r in rows[1:]) else 0

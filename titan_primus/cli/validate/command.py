@@ -9,9 +9,9 @@ import sys
 
 from ...diagnostics.results import prepare_output, write_document
 from ...diagnostics.validate.baseline import COMPARED_FIELDS
+from ...diagnostics.validate.run import RefusedBeforeTraining, validate_document
 from ...recipes import RECIPE_NAMES
 from ..arguments import add_count, add_switch
-from ...diagnostics.validate.run import RefusedBeforeTraining, validate_document
 from ..validate_results import plot_validate_png, render_validate_markdown
 
 __all__ = ["command", "register", "run"]
