@@ -17,7 +17,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from titan_helpers import build, model_config, token_ids
+from support.titan_helpers import build, model_config, token_ids
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from titan_primus.torchtitan import Float8Converter

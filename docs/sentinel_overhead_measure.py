@@ -20,7 +20,7 @@ import statistics
 import time
 
 import torch
-from titan_helpers import build, model_config
+from support.titan_helpers import build, model_config
 
 from titan_primus import sentinel
 from titan_primus.torchtitan import Float8Converter

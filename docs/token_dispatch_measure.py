@@ -4,7 +4,7 @@ For each recipe and 6 token distributions, the emulated grouped GEMM (4 experts,
 200 / 524, K = 256, N = 128) runs on the tokens and on their forward FP8 copy (what FP8 dispatch
 delivers: the rowwise or 1x32 cast for the recipes that qualify; the 1x128 tile cast for
 blockwise, which does not): is the forward bitwise the same, is grad_A, and how does the weight
-gradient's SQNR against fp32 change. The measurement is tests/token_dispatch_cost.py's.
+gradient's SQNR against fp32 change. The measurement is tests/support/token_dispatch_cost.py's.
 
 Usage (repository root): ``PYTHONPATH=. OMP_NUM_THREADS=1 python docs/token_dispatch_measure.py``
 """
@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from token_dispatch_cost import CASES, DISTRIBUTIONS, runs  # noqa: E402
+from support.token_dispatch_cost import CASES, DISTRIBUTIONS, runs  # noqa: E402
 
 from titan_primus.device import device_profile  # noqa: E402
 from titan_primus.numerics import sqnr  # noqa: E402

@@ -1,7 +1,7 @@
 """How large a regression ``titan-primus validate`` catches: docs/validate.md's power table.
 
 One healthy ``titan-primus validate`` of a model (its four runs and verdicts), then, for each
-regression tests/regressions.py injects (the plugin, loaded through titan-primus's entry points)
+regression tests/support/regressions.py injects (the plugin, loaded through titan-primus's entry points)
 and each size on a ladder from mild to severe, one more FP8 run with it. Each injected run is
 judged as validate judges: without a baseline (against the healthy invocation's bf16 and seed
 floor, which no injection touches), and with the healthy run as the baseline (bounded by the
@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-import regressions  # noqa: E402
+from support import regressions  # noqa: E402
 
 from titan_primus.diagnostics.results import load_document  # noqa: E402
 from titan_primus.diagnostics.validate.run import ConfigPlan, judge_document, run_trainer  # noqa: E402
@@ -100,7 +100,7 @@ def main() -> None:
     plan = ConfigPlan(**{k: result[k] for k in ConfigPlan.__dataclass_fields__})
     line = trainer_line()
     regressions.write_entry_point(work)
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), str(work)])
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests" / "support"), str(work)])
     os.environ.pop("TITAN_PRIMUS_DISABLE_PLUGIN_AUTOLOAD", None)
     figures = {"healthy": healthy_path, "healthy_verdicts": _statuses(result["verdicts"]), "runs": {}}
     figures["healthy_with_baseline"] = judge_injected(healthy, result["runs"]["fp8"])["with"]

@@ -1,14 +1,11 @@
 import os
-import sys
 
 import pytest
-
-sys.path.insert(0, os.path.dirname(__file__))
 
 # Third-party plugins installed on a developer machine must not change what the suite tests.
 os.environ.setdefault("TITAN_PRIMUS_DISABLE_PLUGIN_AUTOLOAD", "1")
 
-from isolation import _seed_and_fresh_routing  # noqa: E402,F401  (autouse fixture)
+from support.isolation import _seed_and_fresh_routing  # noqa: E402,F401  (autouse fixture)
 
 # The tier on Primus-Turbo's own code imports one Primus-Turbo build per process: `make
 # test-turbo` runs it once per build and architecture (tests/real_turbo/conftest.py).
@@ -19,7 +16,7 @@ collect_ignore = [] if os.environ.get("TITAN_PRIMUS_TURBO_BUILD") else ["real_tu
 def hardware():
     """The GPU a hardware test (``mi300``, ``cuda``) runs on; tests/real_turbo/conftest.py gives
     the real-code tier's, where the same bodies run on Primus-Turbo's own code."""
-    from helpers import Hardware
+    from support.helpers import Hardware
 
     from titan_primus import detect_device
 
@@ -29,7 +26,7 @@ def hardware():
 def pytest_collection_modifyitems(config, items):
     """Real-hardware tests run only where that hardware is (the MI300X / CUDA CI workflows); the
     costliest tests start first (scheduling.py)."""
-    from scheduling import costliest_first
+    from support.scheduling import costliest_first
 
     from titan_primus import detect_device
 

@@ -3,13 +3,13 @@
 ``fp8_gemm_ops``), a training step of a converted debug model runs every second FP8 GEMM of a
 block again in backward (``fp8_gemms="alternate"``, the default, TorchTitan's rule for
 ``aten.mm``), or none (``"save"``: three FP8 GEMMs per op, as without activation checkpointing);
-TorchTitan's stock policy runs all of the emulated backend's again in backward. Counted per executed kernel (tests/gemm_count.py), eager and under TorchTitan's
+TorchTitan's stock policy runs all of the emulated backend's again in backward. Counted per executed kernel (tests/support/gemm_count.py), eager and under TorchTitan's
 per-block torch.compile. The 0.2.x save list: tests_tt02/test_activation_checkpointing.py."""
 
 import pytest
 import torch
-from gemm_count import count_gemms
-from titan_helpers import build, model_config, token_ids
+from support.gemm_count import count_gemms
+from support.titan_helpers import build, model_config, token_ids
 
 import titan_primus as tp
 from titan_primus.checkpointing import attention_save_ops, fp8_gemm_save_ops

@@ -5,7 +5,7 @@ Against Primus-Turbo's own kernel: tests/real_turbo/test_attention_fp8.py."""
 import pytest
 import torch
 import torch._inductor.config
-from closeness import assert_bitwise, assert_sqnr_at_least
+from support.closeness import assert_bitwise, assert_sqnr_at_least
 
 from titan_primus.backends.emulated.attention import fp8_attention
 

@@ -10,9 +10,9 @@ import importlib
 import pytest
 import torch
 import torch.nn.functional as F
-from closeness import assert_sqnr_at_least, relative_gaps
-from helpers import sgd_losses
-from titan_helpers import MODEL_REGISTRIES, build, model_config, token_ids
+from support.closeness import assert_sqnr_at_least, relative_gaps
+from support.helpers import sgd_losses
+from support.titan_helpers import MODEL_REGISTRIES, build, model_config, token_ids
 from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention, VarlenAttention
 
 import titan_primus as tp

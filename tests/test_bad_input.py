@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-from helpers import make_offsets
-from host_reads import HostReads
+from support.helpers import make_offsets
+from support.host_reads import HostReads
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import titan_primus as tp

@@ -7,7 +7,7 @@ import math
 import struct
 
 import pytest
-from closeness import assert_losses_within
+from support.closeness import assert_losses_within
 import torch
 
 import titan_primus as tp
@@ -376,7 +376,7 @@ def test_block_recipes_train_through_the_converter_and_track_bf16(model, stock, 
     within 2% of the run without the converter at every step (same bound and reasoning as
     test_trainer.py: ~28 dB per GEMM averages out in the loss; measured gaps in
     docs/measurements.md)."""
-    from titan_helpers import run_trainer
+    from support.titan_helpers import run_trainer
 
     fp8, log = run_trainer("titan_primus", f"{stock}_fp8_{recipe}", tmp_path / "fp8", steps, seq_len=seq_len)
     ref, _ = run_trainer(model, stock, tmp_path / "ref", steps, seq_len=seq_len)

@@ -7,15 +7,14 @@ import io
 import json
 import subprocess
 import sys
+from contextlib import redirect_stderr, redirect_stdout
 
 import pytest
 import torch
 
 import titan_primus as tp
 from titan_primus import cli
-from titan_primus.cli.bench import command as bench
 from titan_primus.diagnostics import bench as bench_lib
-from titan_primus.cli.parity import command as parity
 from titan_primus.diagnostics import parity as parity_matrix
 from titan_primus.backends.emulated import EmulatedBackend
 from titan_primus.backends.emulated.attention import EmulatedAttention
@@ -106,10 +105,11 @@ def results(tmp_path_factory):
     folder = tmp_path_factory.mktemp("results")
     paths = {name: folder / f"{name}.json" for name in ("parity_cpu", "parity_gfx942", "bench_cpu")}
     tp.registry.refresh()
-    assert parity.command(None, True, [], str(paths["parity_cpu"]), io.StringIO(), io.StringIO()) == 0
-    assert parity.command("gfx942", True, [], str(paths["parity_gfx942"]), io.StringIO(), io.StringIO()) == 0
-    bench_out = io.StringIO()
-    assert bench.command(["rowwise"], True, False, None, None, str(paths["bench_cpu"]), bench_out) == 0
+    with redirect_stdout(io.StringIO()), redirect_stderr(io.StringIO()):
+        assert cli.main(["parity", "--quick", "--json", str(paths["parity_cpu"])]) == 0
+        assert cli.main(["parity", "--quick", "--device", "gfx942", "--json", str(paths["parity_gfx942"])]) == 0
+    with redirect_stdout(io.StringIO()) as bench_out, redirect_stderr(io.StringIO()):
+        assert cli.main(["bench", "--quick", "--recipe", "rowwise", "--json", str(paths["bench_cpu"])]) == 0
     return {**paths, "bench_out": bench_out.getvalue()}
 
 

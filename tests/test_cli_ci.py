@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from repo_root import ROOT
+from support.repo_root import ROOT
 
 from titan_primus.cli import build_parser
 

@@ -7,13 +7,13 @@ skipped; the audit runs on Primus-Turbo's own code in the real-code tier
 
 import io
 import json
+from contextlib import redirect_stdout
 
 import pytest
 import torch
 
 import titan_primus as tp
 from titan_primus import cli
-from titan_primus.cli.bench import memory_audit
 from titan_primus.diagnostics.memory import audit
 from titan_primus.diagnostics.memory.model import ATTENTION_PATHS, BF16, GemmMemory, attention_saved, estimate
 from titan_primus.diagnostics.model_shapes import ARCHITECTURES
@@ -26,8 +26,9 @@ shares_quick = pytest.mark.xdist_group("bench_memory_quick")
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
     path = tmp_path_factory.mktemp("memory") / "memory.json"
-    out = io.StringIO()
-    assert memory_audit.command(["tensorwise", "rowwise"], True, str(path), out, 8, 8192, 1) == 0
+    argv = ["bench", "--memory", "--quick", "--recipe", "tensorwise", "--recipe", "rowwise", "--json", str(path)]
+    with redirect_stdout(io.StringIO()) as out:
+        assert cli.main(argv) == 0
     return path, out.getvalue()
 
 

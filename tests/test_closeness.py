@@ -1,10 +1,10 @@
-"""The tests' closeness checks (tests/closeness.py, titan_primus.sqnr): NaN and inf never pass."""
+"""The tests' closeness checks (tests/support/closeness.py, titan_primus.sqnr): NaN and inf never pass."""
 
 import math
 
 import pytest
 import torch
-from closeness import assert_bitwise, assert_losses_within, assert_sqnr_at_least, fraction_beyond
+from support.closeness import assert_bitwise, assert_losses_within, assert_sqnr_at_least, fraction_beyond
 
 import titan_primus as tp
 

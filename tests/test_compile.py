@@ -6,8 +6,8 @@ import statistics
 import pytest
 import torch
 import torch._inductor.config
-from helpers import make_offsets, run_grouped, run_linear, sqnrs
-from titan_helpers import build, model_config
+from support.helpers import make_offsets, run_grouped, run_linear, sqnrs
+from support.titan_helpers import build, model_config
 
 import titan_primus as tp
 from titan_primus.torchtitan import Float8Converter

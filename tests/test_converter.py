@@ -6,8 +6,8 @@ from dataclasses import fields
 
 import pytest
 import torch
-from closeness import assert_sqnr_at_least
-from titan_helpers import build, model_config, token_ids
+from support.closeness import assert_sqnr_at_least
+from support.titan_helpers import build, model_config, token_ids
 from torchtitan.models.common.linear import Linear
 from torchtitan.models.common.moe import GroupedExperts
 from torchtitan.models.common.token_dispatcher import TorchAOTokenDispatcher

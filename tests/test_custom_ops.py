@@ -7,7 +7,7 @@ import re
 
 import pytest
 import torch
-from repo_root import ROOT
+from support.repo_root import ROOT
 
 import titan_primus.backends.emulated.attention  # noqa: F401  (registers its ops)
 import titan_primus.backends.emulated.gemm_ops  # noqa: F401

@@ -1,53 +1,16 @@
 """The converter under TorchTitan's real parallelisms, several ranks with torchrun and gloo."""
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from closeness import assert_losses_within
-from titan_helpers import MODEL_REGISTRIES, ROOT, run_trainer
+from support.closeness import assert_losses_within
+from support.ranks import ep_trainer_runs, every_rank, torchrun_script
+from support.titan_helpers import run_trainer
 
 import titan_primus as tp
 from titan_primus.conversion import check_parallelism
 
 pytestmark = pytest.mark.multiprocess
-HERE = Path(__file__).parent
-
-
-def torchrun_script(script: str, *args: str, env: dict | None = None, nproc: int = 2) -> str:
-    # The repository root first: its titan_primus, not an installed copy.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE)]), **(env or {})}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={nproc}",
-            str(HERE / script),
-            *args,
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    return proc.stdout
-
-
-def every_rank(out: str, world: int = 2) -> list[dict]:
-    """The figures a script printed with titan_helpers.print_every_rank, rank 0's first; every
-    rank must have reported."""
-    line = next(row for row in out.splitlines() if row.startswith("RESULT "))
-    ranks = json.loads(line.removeprefix("RESULT "))
-    assert [r["rank"] for r in ranks] == list(range(world)), line
-    return ranks
 
 
 @pytest.mark.parametrize("model, recipe", [("llama3", "tensorwise"), ("deepseek_v3", "rowwise")])
@@ -191,28 +154,6 @@ def test_expert_parallel_matches_the_same_ranks_without_it(tmp_path):
     dp, _ = run_trainer("titan_primus", "deepseek_v3_debugmodel_fp8", tmp_path / "dp", 3, *common, nproc=2)
     assert "grouped experts: 5 -> emulated (rowwise (torchao definition" in log
     assert_losses_within(ep, dp, 0.001)
-
-
-def ep_trainer_runs(
-    tmp_path, converter: str, options: dict, *, steps: int, config="deepseek_v3_debugmodel", env=None, **kwargs
-):
-    """``config`` (an MoE model's, default deepseek_v3 debug) on 2 gloo ranks with the converter override ``converter`` (options as JSON):
-    experts split across the ranks (EP 2), and replicated (FSDP 2 only). Returns both runs'
-    losses and the EP run's log."""
-    import json
-
-    override = ("--override.imports", f"{converter}={json.dumps(options)}")
-    common = (*override, "--parallelism.data_parallel_shard_degree", "2")
-    # TorchTitan refuses EP's token dispatcher with CUDA graphs on, even on a CPU.
-    ep_args = ("--parallelism.expert_parallel_degree", "2", "--training.disable_cuda_graphs")
-
-    def run(dump, *extra):
-        module = next(model for model in MODEL_REGISTRIES if config.startswith(model))
-        return run_trainer(module, config, dump, steps, *extra, nproc=2, env=env, **kwargs)
-
-    ep, log = run(tmp_path / "ep", *common, *ep_args)
-    dp, _ = run(tmp_path / "dp", *common)
-    return ep, dp, log
 
 
 @pytest.mark.trainer

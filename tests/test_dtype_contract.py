@@ -6,7 +6,7 @@ whatever its inputs. And the emulation of TorchAO's recipes rounds where TorchAO
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import make_offsets
+from support.helpers import make_offsets
 
 import titan_primus as tp
 
@@ -69,7 +69,7 @@ def test_grouped_mm_returns_bfloat16_and_grads_in_input_dtypes(device, a_dtype, 
 def test_converted_torchtitan_model_keeps_stock_dtypes_under_autocast():
     """TorchTitan runs a single device under bf16 autocast with float32 parameters: every linear
     of the converted llama3 returns what the stock one returns (bf16), the logits included."""
-    from titan_helpers import build, model_config
+    from support.titan_helpers import build, model_config
 
     from titan_primus.torchtitan import Float8Converter
 

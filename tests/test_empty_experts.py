@@ -6,7 +6,7 @@ tests/real_turbo/test_empty_experts.py."""
 
 import pytest
 import torch
-from doubles import torchao_grouped_kernels
+from support.doubles import torchao_grouped_kernels
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -83,7 +83,7 @@ def test_grouped_gemm_of_a_rank_without_tokens_is_zero_on_every_emulated_definit
 @pytest.mark.parametrize("rows", [0, 48], ids=["no rows", "every row past offs[-1]"])
 def test_grouped_gemm_of_a_rank_without_tokens_is_zero_on_torchao(rows, monkeypatch):
     """TorchAO's rowwise grouped GEMM, its own Python on the CPU stand-ins of its kernels
-    (tests/doubles/torchao_grouped_kernels.py, which leave rows past the groups NaN as the
+    (tests/support/doubles/torchao_grouped_kernels.py, which leave rows past the groups NaN as the
     kernels leave them undefined): no quantizer reached without rows."""
     received = torchao_grouped_kernels.install(monkeypatch)
     decision = tp.select_backend("grouped_mm", "rowwise", "sm90", "torchao")

@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from helpers import (
+from support.helpers import (
     bars,
     expert_parallel_sqnrs,
     make_offsets,

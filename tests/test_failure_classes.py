@@ -2,16 +2,16 @@
 here (issue 20): gradient accumulation over microbatches (Primus PR #1046 dropped the weight
 gradients after the first microbatch), uninitialized or stale output rows (Primus-Turbo issue
 #397), determinism. Their FSDP2 side (FP8 all-gather on and off) is
-tests/grad_accumulation.py; a deliberately corrupted backend caught by the sentinel is
+tests/support/grad_accumulation.py; a deliberately corrupted backend caught by the sentinel is
 tests/test_sentinel.py.
 
 Primus-Turbo's rows run on its own code: tests/real_turbo/test_failure_classes.py."""
 
 import pytest
 import torch
-from helpers import make_offsets, reference_grouped, reference_linear
-from test_distributed import every_rank, torchrun_script
-from titan_helpers import build, model_config
+from support.helpers import make_offsets, reference_grouped, reference_linear
+from support.ranks import every_rank, torchrun_script
+from support.titan_helpers import build, model_config
 
 import titan_primus as tp
 from titan_primus.numerics import fp32_bars
@@ -158,7 +158,7 @@ def test_fsdp2_gradient_accumulation_with_fp8_all_gather_on_and_off():
     real-code tier);
     as close to one big batch as FP8 noise allows (the big batch's own distance to bf16 GEMMs,
     measured in the same run; accumulated vs big adds a second FP8 noise draw: 6 dB of slack),
-    and a dropped microbatch is far off (tests/grad_accumulation.py). Measured 2026-12-01:
+    and a dropped microbatch is far off (tests/support/grad_accumulation.py). Measured 2026-12-01:
     20.5-20.9 dB vs big batch, 2.4 dB dropped."""
     for r in every_rank(torchrun_script("grad_accumulation.py")):
         for backend in ("emulated", "torchao"):

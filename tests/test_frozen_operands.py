@@ -1,15 +1,15 @@
 """A gradient that is not needed costs nothing: with the weight frozen (LoRA base weights,
 frozen layers) or the input not requiring grad, backward runs one FP8 GEMM instead of two, fewer
 FP8 casts, and forward keeps nothing for the gradient that is not needed. Per backend, op and
-recipe, counted per executed kernel (tests/gemm_count.py), eager (under torch.compile the
+recipe, counted per executed kernel (tests/support/gemm_count.py), eager (under torch.compile the
 partitioner drops an unused GEMM by itself: seen on Primus-Turbo's path, whose compiled count was 2
 before the eager fix). Primus-Turbo's own code: tests/real_turbo/test_compile_and_memory.py."""
 
 import pytest
 import torch
-from doubles import torchao_grouped_kernels
-from gemm_count import count_gemms_and_casts
-from helpers import make_offsets
+from support.doubles import torchao_grouped_kernels
+from support.gemm_count import count_gemms_and_casts
+from support.helpers import make_offsets
 
 import titan_primus as tp
 from titan_primus.diagnostics.memory.saved import recording_saved_tensors

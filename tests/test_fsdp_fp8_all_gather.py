@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from closeness import assert_losses_within
-from test_distributed import every_rank, torchrun_script
-from titan_helpers import ROOT, build, model_config, once_per_session, run_trainer
+from support.closeness import assert_losses_within
+from support.ranks import every_rank, torchrun_script
+from support.repo_root import ROOT
+from support.titan_helpers import build, model_config, once_per_session, run_trainer
 
 import titan_primus as tp
 from titan_primus.conversion import ConversionOptions, LayerRouter, keep_fp8_cast_rounding_under_inductor
@@ -230,8 +231,8 @@ FSDP2 = ("--parallelism.data_parallel_shard_degree", "2")
 
 def _fp8_run(model, dump, steps, all_gather: bool, *extra, backend="", nproc=2, full_ac=False):
     options = OVERRIDE % ("true" if all_gather else "false", f', "backend": "{backend}"' if backend else "")
-    overrides = [options] + (["full_activation_checkpointing.full_ac"] if full_ac else [])
-    env = {"PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE)])}  # the override above lives in tests/
+    overrides = [options] + (["support.full_activation_checkpointing.full_ac"] if full_ac else [])
+    env = {"PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE)])}  # the override above: tests/support/
     return run_trainer(
         model, f"{model}_debugmodel", dump, steps, "--override.imports", *overrides, *extra, nproc=nproc, env=env
     )

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 from packaging.version import Version
-from repo_root import ROOT
+from support.repo_root import ROOT
 
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 

@@ -9,8 +9,8 @@ with the weight as FSDP2 hands it over, bf16 or all-gathered in FP8); converted 
 import re
 
 import pytest
-from doubles import torchao_grouped_kernels
-from test_distributed import torchrun_script
+from support.doubles import torchao_grouped_kernels
+from support.ranks import torchrun_script
 
 import titan_primus as tp
 from titan_primus.fsdp_fp8 import fp8_all_gather_plan
@@ -19,7 +19,7 @@ from titan_primus.recipes import RECIPE_NAMES
 
 COMPILED_RECIPES = ("tensorwise", "rowwise", "blockwise")  # compile time: the other recipes' paths are alike
 # TorchAO's grouped GEMM runs on a CPU as its own Python on CPU stand-ins for its Triton kernels
-# and torch._scaled_grouped_mm (tests/doubles/torchao_grouped_kernels.py), routed as on SM90.
+# and torch._scaled_grouped_mm (tests/support/doubles/torchao_grouped_kernels.py), routed as on SM90.
 BACKENDS = (("emulated", "cpu", "cpu"), ("emulated", "gfx942", "gfx942"), ("torchao", "cpu", "sm90"))
 # What does not run, written here (not asked of the code under test): every other case runs.
 NOT_RUN = {

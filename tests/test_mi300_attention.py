@@ -12,8 +12,8 @@ both compile fullgraph, equal to eager."""
 import pytest
 import torch
 import torch.nn.functional as F
-from closeness import assert_sqnr_at_least
-from helpers import Hardware
+from support.closeness import assert_sqnr_at_least
+from support.helpers import Hardware
 
 from titan_primus.attention import AttentionSite, attend, route_attention
 from titan_primus.attention.call import Documents

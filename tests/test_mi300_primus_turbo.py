@@ -16,7 +16,7 @@ training step under torch.compile, and backward keeps FP8 activations and no cop
 import pytest
 import torch
 from packaging.version import Version
-from helpers import Hardware, make_offsets, run_grouped, run_linear, sqnrs
+from support.helpers import Hardware, make_offsets, run_grouped, run_linear, sqnrs
 
 import titan_primus as tp
 from titan_primus.backends.primus_turbo import load_api

@@ -10,11 +10,11 @@ import json
 import weakref
 from types import SimpleNamespace
 
-import corrupt_backend
+from support import corrupt_backend
 import pytest
 import torch
 from torch._subclasses.fake_tensor import is_fake
-from titan_helpers import build, model_config
+from support.titan_helpers import build, model_config
 
 import titan_primus as tp
 from titan_primus import cli, sentinel

@@ -6,9 +6,10 @@ import json
 import os
 import re
 
-import corrupt_backend
+from support import corrupt_backend
 import pytest
-from titan_helpers import ROOT, run_trainer
+from support.repo_root import ROOT
+from support.titan_helpers import run_trainer
 
 pytestmark = pytest.mark.trainer
 HERE = ROOT / "tests"
@@ -79,14 +80,14 @@ def test_two_fsdp2_ranks_train_exactly_as_with_the_sentinel_off(tmp_path):
     """On: FP8 all-gather and full activation checkpointing too (the checked weights arrive FP8,
     the forward runs twice); off: neither (both are bit-exact, docs/measurements.md)."""
     fsdp2 = ("--parallelism.data_parallel_shard_degree", "2")
-    env = {"PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE)])}  # full_activation_checkpointing lives in tests/
+    env = {"PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE)])}  # tests/support/full_activation_checkpointing.py
     on, log = run_trainer(
         "llama3",
         "llama3_debugmodel",
         tmp_path / "on",
         3,
         *fp8(recipe="tensorwise", enable_fsdp_float8_all_gather=True, sentinel_interval=1),
-        "full_activation_checkpointing.full_ac",
+        "support.full_activation_checkpointing.full_ac",
         *fsdp2,
         nproc=2,
         env=env,

@@ -5,7 +5,7 @@ K and N multiples of 8 in bfloat16; the emulation pads what is not."""
 
 import pytest
 import torch
-from helpers import bars, make_offsets, reference_grouped, run_grouped, run_linear, sqnrs
+from support.helpers import bars, make_offsets, reference_grouped, run_grouped, run_linear, sqnrs
 
 import titan_primus as tp
 

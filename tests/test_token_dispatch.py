@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from closeness import assert_losses_within
-from test_distributed import ep_trainer_runs, every_rank, torchrun_script
+from support.closeness import assert_losses_within
+from support.ranks import ep_trainer_runs, every_rank, torchrun_script
 from test_converter import convert
-from titan_helpers import ROOT, model_config, run_trainer
-from token_dispatch_cost import CASES, wgrad_losses
+from support.repo_root import ROOT
+from support.titan_helpers import model_config, run_trainer
+from support.token_dispatch_cost import CASES, wgrad_losses
 from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
 from torchtitan.models.common.token_dispatcher import (
     AllToAllTokenDispatcher,
@@ -77,7 +78,7 @@ def test_which_recipes_send_their_tokens_in_fp8_is_recipe_data():
 
 def test_the_refusals_figures_are_the_measured_losses():
     """A refusal that states what the weight gradient would lose states the measurement
-    (tests/token_dispatch_cost.py: the worst of 6 distributions, per definition on the device
+    (tests/support/token_dispatch_cost.py: the worst of 6 distributions, per definition on the device
     it was measured on): the figure is the worst loss of the recipe's definitions (blockwise's
     two share one text) rounded to its printed digits, so within half a unit of its last digit,
     and no definition loses more than that. Measured: blockwise 2.32 (TorchAO) and 2.25 dB
@@ -346,7 +347,7 @@ def _ep_run(tmp_path, name, override, options, config="deepseek_v3_debugmodel", 
         *extra,
         seq_len=seq_len,
         nproc=2,
-        env={"PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE)])},  # dispatch_overrides lives in tests/
+        env={"PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE)])},  # tests/support/dispatch_overrides.py
     )
 
 
@@ -362,7 +363,9 @@ def primus_rowwise_eager(tmp_path_factory):
     """deepseek_v3 debug, EP 2 on 2 gloo ranks (FSDP2 over both, TorchTitan's selective AC), the
     emulation of Primus-Turbo's rowwise: (losses with fp8_dispatch, its log, losses without)."""
     tmp_path = tmp_path_factory.mktemp("primus_rowwise")
-    on, log = _ep_run(tmp_path, "on", "dispatch_overrides.fp8_dispatch_probe", {**PRIMUS_ROWWISE, "fp8_dispatch": True})
+    on, log = _ep_run(
+        tmp_path, "on", "support.dispatch_overrides.fp8_dispatch_probe", {**PRIMUS_ROWWISE, "fp8_dispatch": True}
+    )
     off, _ = _ep_run(tmp_path, "off", "titan_primus.torchtitan.overrides.fp8", PRIMUS_ROWWISE)
     return on, log, off
 
@@ -416,7 +419,7 @@ def test_trainer_fp8_dispatch_on_torchao_rowwise_is_its_definition_sent_in_fp8(t
     options = {"recipe": "rowwise", "device": "cpu", "backend": "emulated", "fp8_dispatch": True}
     config = "qwen3_moe_debug"
     on, log = _ep_run(tmp_path, "on", "titan_primus.torchtitan.overrides.fp8", options, config, 2, seq_len=64)
-    copy, _ = _ep_run(tmp_path, "copy", "dispatch_overrides.fp8_copy_in_bf16", options, config, 2, seq_len=64)
+    copy, _ = _ep_run(tmp_path, "copy", "support.dispatch_overrides.fp8_copy_in_bf16", options, config, 2, seq_len=64)
     assert "grouped experts: EP token dispatch in FP8 payload + scales" in log
     assert on == copy and sorted(on) == [1, 2]
     print(f"FP8 dispatch {on}, its definition sent in bf16 {copy}")
@@ -484,7 +487,7 @@ def test_trainer_with_a_rank_whose_experts_receive_no_token(options, bound, tmp_
     options = {**options, "backend": "emulated"}
     env = {"PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE)])}
     ep, dp, log = ep_trainer_runs(
-        tmp_path, "dispatch_overrides.fp8_first_half_experts", options, steps=2, seq_len=64, env=env
+        tmp_path, "support.dispatch_overrides.fp8_first_half_experts", options, steps=2, seq_len=64, env=env
     )
     # each rank's router at step 1: rank 1's experts get no token; at step 2 TorchTitan's routing
     assert log.count("ROUTED at step 1 to experts 0-3 of 8") == 2 and "ROUTED at step 2" not in log

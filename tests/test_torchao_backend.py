@@ -3,8 +3,8 @@ TorchAO recipe, OCP and FNUZ. Shapes stay small: TorchAO's CPU path is only a re
 
 import pytest
 import torch
-from doubles import torchao_grouped_kernels
-from helpers import Hardware, make_offsets, run_linear, sqnrs
+from support.doubles import torchao_grouped_kernels
+from support.helpers import Hardware, make_offsets, run_linear, sqnrs
 
 import titan_primus as tp
 from titan_primus.recipes import with_token_groups_padded_to
@@ -45,7 +45,7 @@ def test_torchao_refuses_other_definitions():
 def test_torchao_grouped_mm_takes_every_layout_and_copies_only_where_torchao_needs(a_layout, b_layout, monkeypatch):
     """TorchAO's rowwise grouped GEMM asserts a row-major A and a column-major B_t;
     fp8_grouped_mm takes any layout. TorchAO's own Python (asserts, autograd Function) runs on the
-    kernel stand-ins of tests/doubles/torchao_grouped_kernels.py (its Triton kernels and
+    kernel stand-ins of tests/support/doubles/torchao_grouped_kernels.py (its Triton kernels and
     torch._scaled_grouped_mm do not run on a CPU): TorchTitan's transposed view of its [E, N, K]
     expert weights reaches the kernels as it is, other layouts as a copy, and every layout gives
     the emulation's results (TorchAO's definition), forward and backward."""
@@ -230,7 +230,7 @@ def test_torchao_mx_linear_keeps_no_weight_copy_and_pads_only_where_needed(x_dty
 def test_torchao_moe_block_keeps_the_routed_tokens_once():
     """w1 and w3 of a MoE block multiply the same routed tokens: TorchAO keeps them once (the
     caller's tensor), as stock TorchTitan does, and no weight copy."""
-    from torchao_moe_block_memory import moe_block_kept
+    from support.torchao_moe_block_memory import moe_block_kept
 
     result = moe_block_kept(tokens=96, dim=64, hidden=48, experts=2)
     assert result["token_copies"] == 1 and result["kept"]["weight_copy"] == 0, result

@@ -3,8 +3,8 @@
 import re
 
 import pytest
-from closeness import assert_losses_within
-from titan_helpers import run_trainer
+from support.closeness import assert_losses_within
+from support.titan_helpers import run_trainer
 
 pytestmark = pytest.mark.trainer
 

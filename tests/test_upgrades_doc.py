@@ -1,7 +1,7 @@
 """docs/upgrades.md's table of upstream symbols is the one the code declares and checks
 (titan_primus/diagnostics/contracts.py): a declaration changed without the page fails here."""
 
-from repo_root import ROOT
+from support.repo_root import ROOT
 
 from titan_primus.diagnostics.contracts import BEGIN, END, contracts, generated_section
 

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from repo_root import ROOT
+from support import corrupt_backend
+from support.repo_root import ROOT
 
 from titan_primus.cli import build_parser
 from titan_primus.diagnostics.results import load_document
@@ -27,12 +28,9 @@ from titan_primus.diagnostics.validate.baseline import BaselineMismatch, mismatc
 from titan_primus.diagnostics.validate.run import judge_document
 from titan_primus.cli.validate_results import render_validate_markdown
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import corrupt_backend  # noqa: E402
-
 QUICK_STEPS = 20
 pytestmark = pytest.mark.trainer
-# One worker runs every test of the shared quick run (tests/scheduling.py).
+# One worker runs every test of the shared quick run (tests/support/scheduling.py).
 shares_the_quick_run = pytest.mark.xdist_group("validate_quick")
 
 
@@ -343,7 +341,7 @@ def _plugin_env(tmp_path: Path, module, **extra) -> dict:
 
 
 def test_a_corrupted_backend_fails_the_convergence_verdict(tmp_path):
-    """A backend wrong from step 3 on (tests/corrupt_backend.py), over 10 steps: one window of the
+    """A backend wrong from step 3 on (tests/support/corrupt_backend.py), over 10 steps: one window of the
     loss verdict, half the quick run's cost."""
     env = _plugin_env(tmp_path, corrupt_backend, TITAN_PRIMUS_BACKEND="corrupted", **{corrupt_backend.ENV: "rows:3"})
     path = tmp_path / "corrupted.json"
@@ -422,9 +420,9 @@ def test_bad_validate_input_is_one_line(tmp_path, capsys):
 
 
 def test_the_injected_casts_are_the_regressions_they_name():
-    """tests/regressions.py, the plugin behind docs/validate.md's power table: each cast
+    """tests/support/regressions.py, the plugin behind docs/validate.md's power table: each cast
     regression changes the FP8 codes the way its name says, and nothing else."""
-    import regressions
+    from support import regressions
 
     import titan_primus.fp8.scaling as scaling
 

@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-# tt02_helpers (here), the 0.2 CPU launcher (examples/torchtitan02) and the main suite's helpers
-# (tests/: the isolation fixture, the Primus-Turbo real-code harness).
-sys.path[:0] = [str(Path(__file__).parent), str(ROOT / "examples" / "torchtitan02"), str(ROOT / "tests")]
+# This suite's helpers, then the main suite's support package and Primus-Turbo real-code harness
+# (tests/support, tests/real_turbo), until this suite moves under tests/: tests_tt02/ first, as
+# its test modules share names with tests/'s.
+sys.path[:0] = [str(Path(__file__).parent), str(ROOT / "tests")]
 
 # Third-party plugins installed on a developer machine must not change what the suite tests.
 os.environ.setdefault("TITAN_PRIMUS_DISABLE_PLUGIN_AUTOLOAD", "1")
@@ -25,7 +26,7 @@ if not version("torchtitan").startswith("0.2."):
 import titan_primus.integrations.torchtitan.v0_2.launch  # noqa: E402,F401
 
 
-from isolation import _seed_and_fresh_routing  # noqa: E402,F401  (autouse fixture)
+from support.isolation import _seed_and_fresh_routing  # noqa: E402,F401  (autouse fixture)
 
 # Primus-Turbo's own code, one build per process: `make test-tt02` runs real_turbo/ per architecture.
 collect_ignore = [] if os.environ.get("TITAN_PRIMUS_TURBO_BUILD") else ["real_turbo"]
@@ -42,7 +43,7 @@ def _restore_token_group_alignment():
 
 
 def pytest_collection_modifyitems(config, items):
-    """The costliest tests start first (tests/scheduling.py)."""
-    from scheduling import costliest_first
+    """The costliest tests start first (tests/support/scheduling.py)."""
+    from support.scheduling import costliest_first
 
     costliest_first(items)

@@ -13,13 +13,12 @@ from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.protocols.train_spec import get_train_spec
 from tt02_helpers import materialize, meta_model, parallel_dims, tokens
 
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent / "tests"))
-from gemm_count import count_gemms  # noqa: E402
+from support.gemm_count import count_gemms
 
-import titan_primus as tp  # noqa: E402
-from titan_primus.checkpointing import fp8_gemm_save_ops  # noqa: E402
-from titan_primus.conversion import ConversionOptions  # noqa: E402
-from titan_primus.torchtitan02 import Float8Converter  # noqa: E402
+import titan_primus as tp
+from titan_primus.checkpointing import fp8_gemm_save_ops
+from titan_primus.conversion import ConversionOptions
+from titan_primus.torchtitan02 import Float8Converter
 
 
 def save_list(model_name: str) -> set:

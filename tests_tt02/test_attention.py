@@ -3,8 +3,8 @@ emulation of Primus-Turbo's, on a CPU) where its definition holds, in TorchTitan
 from the TOML options. On Primus-Turbo's own code: tests_tt02/real_turbo/test_attention.py."""
 
 import pytest
-from closeness import relative_gaps
-from helpers import sgd_losses
+from support.closeness import relative_gaps
+from support.helpers import sgd_losses
 from torchtitan.models.attention import FlexAttentionWrapper, ScaledDotProductAttentionWrapper
 from tt02_helpers import EXAMPLES, convert, materialize, meta_model, run_trainer, tokens
 

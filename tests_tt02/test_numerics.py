@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torchtitan.models.moe.utils as moe_utils
-from closeness import assert_bitwise, assert_sqnr_at_least
+from support.closeness import assert_bitwise, assert_sqnr_at_least
 from tt02_helpers import convert, materialize, meta_model
 
 import titan_primus as tp

@@ -5,7 +5,7 @@ catching a corrupted backend installed as a plugin on the first checked step, la
 import os
 import re
 
-import corrupt_backend
+from support import corrupt_backend
 import pytest
 import torch
 from torchtitan.protocols.model_converter import build_model_converters

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torchtitan.models.llama4.infra.parallelize as llama4_parallelize
-from closeness import assert_bitwise, assert_losses_within
+from support.closeness import assert_bitwise, assert_losses_within
 from torchtitan.distributed.expert_parallel import ExpertParallel
 from tt02_helpers import EXAMPLES, ROOT, convert, materialize, meta_model, parallel_dims, run_trainer
 

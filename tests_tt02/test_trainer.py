@@ -3,7 +3,7 @@
 import re
 
 import pytest
-from closeness import assert_losses_within
+from support.closeness import assert_losses_within
 from tt02_helpers import EXAMPLES, run_trainer, stock_toml
 
 pytestmark = pytest.mark.trainer

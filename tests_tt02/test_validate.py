@@ -10,9 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import corrupt_backend  # tests/ (conftest puts it on the path)
+from support import corrupt_backend  # tests/ (conftest puts it on the path)
 import pytest
-from repo_root import ROOT
+from support.repo_root import ROOT
 
 from titan_primus.diagnostics.results import load_document
 from titan_primus.diagnostics.validate.run import judge_document
@@ -21,7 +21,7 @@ QUICK_STEPS = 20
 TOML = "examples/torchtitan02/llama3_debug_fp8.toml"
 DEEPSEEK_TOML = "examples/torchtitan02/deepseek_v3_debug_fp8.toml"
 pytestmark = pytest.mark.trainer
-# One worker runs the module's quick run and every test of it (tests/scheduling.py).
+# One worker runs the module's quick run and every test of it (tests/support/scheduling.py).
 shares_the_quick_run = pytest.mark.xdist_group("validate_quick")
 
 
@@ -200,7 +200,7 @@ def test_a_stock_toml_gets_the_converter_in_the_fp8_runs_only(fp8, tmp_path, mon
 
 def test_a_corrupted_backend_fails_the_convergence_verdict(tmp_path):
     """The FP8 runs of the 0.2.x trainer go through the backend routing picks: one made wrong from
-    step 3 on (tests/corrupt_backend.py) fails FP8's curve against bf16, over 10 steps (one window
+    step 3 on (tests/support/corrupt_backend.py) fails FP8's curve against bf16, over 10 steps (one window
     of the loss verdict, half the quick run's cost)."""
     corrupt_backend.write_entry_point(tmp_path)
     env = {

@@ -4,17 +4,14 @@ real trainer on a CPU."""
 from __future__ import annotations
 
 import copy
-import os
-import re
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 from torchtitan.config import JobConfig
 from torchtitan.distributed import ParallelDims
-from repo_root import ROOT
+from support.repo_root import ROOT
+from support.trainer_run import torchrun_trainer
 
 from titan_primus.integrations.torchtitan.v0_2.trainer import LAUNCHER as LAUNCHER_02
 from torchtitan.protocols.train_spec import get_train_spec
@@ -24,7 +21,6 @@ from titan_primus.torchtitan02 import Float8Converter
 
 MODELS = ["llama3", "deepseek_v3"]
 EXAMPLES = ROOT / "examples" / "torchtitan02"
-LOSS = re.compile(r"step:\s*(\d+)\s.*?loss:\s*([0-9.]+)")
 
 
 def meta_model(name: str, flavor: str = "debugmodel") -> torch.nn.Module:
@@ -88,16 +84,7 @@ def run_trainer(
 ) -> tuple[dict[int, float], str]:
     """TorchTitan 0.2's real trainer through the CPU launcher (``nproc`` ranks, gloo); returns
     ({step: loss}, log). ``env``: added to the environment."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-    # Always torchrun, one rank too: its standalone rendezvous binds its own port, where a plain
-    # launch (cpu_world picks a free port, then releases it) can lose the port to a concurrent test.
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        str(LAUNCHER_02),
+    args = [
         "--job.config_file",
         str(toml),
         "--training.steps",
@@ -112,10 +99,4 @@ def run_trainer(
         "42",
         *extra,
     ]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    log = proc.stdout + proc.stderr
-    if (proc.returncode != 0) != expect_failure:
-        raise AssertionError(
-            f"trainer exit code {proc.returncode} (expected failure: {expect_failure}):\n{log[-6000:]}"
-        )
-    return {int(s): float(v) for s, v in LOSS.findall(re.sub(r"\x1b\[[0-9;]*m", "", log))}, log
+    return torchrun_trainer(LAUNCHER_02, args, nproc=nproc, env=env, expect_failure=expect_failure, timeout=600)

@@ -67,7 +67,7 @@ def hardware(device):
     routing asked about this architecture, ``aot_eager`` for torch.compile (the interpreter
     generates no Triton code), group lengths that look like a GPU's (``group_lens.is_cuda`` is
     asserted by Primus-Turbo's public grouped op)."""
-    from helpers import Hardware
+    from support.helpers import Hardware
 
     from real_turbo.test_same_as_turbo import CudaLooking
 

@@ -33,7 +33,7 @@ import types
 from pathlib import Path
 
 import torch
-from repo_root import ROOT
+from support.repo_root import ROOT
 
 from . import aiter_stand_in, interpreter, stand_ins
 

@@ -4,7 +4,7 @@ opaque op around Primus-Turbo (backends/primus_turbo/attention_fp8.py) is it, bi
 
 import pytest
 import torch
-from closeness import assert_bitwise, assert_sqnr_at_least
+from support.closeness import assert_bitwise, assert_sqnr_at_least
 from test_attention_fp8_emulated import _grads
 
 from real_turbo.conftest import ARCH, TURBO

@@ -15,9 +15,10 @@ import os
 
 import pytest
 import torch
-from closeness import relative_gaps
-from host_reads import HostReads
-from titan_helpers import ROOT, run_trainer
+from support.closeness import relative_gaps
+from support.host_reads import HostReads
+from support.repo_root import ROOT
+from support.titan_helpers import run_trainer
 
 from real_turbo.conftest import ARCH, BUILD, one_arch
 
@@ -64,7 +65,7 @@ def test_fp8_attention_in_a_model_agrees_with_the_emulation():
     gfx942; the perturbed emulation 62.5 / 31.2 dB), 75.3 / 32.7 dB (v0.4.1.dev26, gfx950; 67.1 /
     32.2 dB). Op by op the kernel and the emulation are 74 dB or closer at these head dims."""
     from real_turbo.test_models import MARGIN_DB, PERTURBATION, _agreement, _step
-    from titan_helpers import build, model_config, token_ids
+    from support.titan_helpers import build, model_config, token_ids
 
     from titan_primus.torchtitan import Float8Converter
 
@@ -178,7 +179,7 @@ def test_the_route_adds_no_host_sync_per_layer_and_the_varlen_masks_one_per_sequ
     flex masks it replaces build with none. Not removable by a converter: AITER's varlen kernels take
     the document count as a tensor shape, known on the host only after the device has found the
     documents (docs/attention.md)."""
-    from titan_helpers import build, token_ids
+    from support.titan_helpers import build, token_ids
 
     from titan_primus.torchtitan import Float8Converter
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 import test_memory
 from test_activation_checkpointing import gemms_per_step
-from titan_helpers import model_config
+from support.titan_helpers import model_config
 
 import titan_primus as tp
 from real_turbo.conftest import ARCH, BUILD, NOT_RUN_HERE, one_arch
@@ -99,7 +99,7 @@ def test_primus_turbo_keeps_its_activations_in_fp8(recipe):
     reason="one build and arch only (minutes under the interpreter); the one-process audit above runs everywhere",
 )
 def test_memory_under_fsdp2():
-    from test_distributed import torchrun_script
+    from support.ranks import torchrun_script
 
     # 320 tokens: fewer would be zero-padded to 256 rows for the dense wgrad, an activation shaped
     # like the debug model's [256, K] weights.

@@ -9,7 +9,7 @@ import torch
 
 import titan_primus as tp
 from real_turbo.conftest import ARCH, RECIPES, TURBO
-from closeness import fraction_beyond
+from support.closeness import fraction_beyond
 from real_turbo.test_same_as_turbo import _grads
 from titan_primus.fp8.blocks import cells_of, quantize_blocks
 from titan_primus.fp8.scaling import quantize

@@ -6,9 +6,9 @@ import os
 
 import pytest
 import torch
-from helpers import expert_parallel_sqnrs
-from test_distributed import ep_trainer_runs
-from titan_helpers import ROOT
+from support.helpers import expert_parallel_sqnrs
+from support.ranks import ep_trainer_runs
+from support.repo_root import ROOT
 
 import titan_primus as tp
 from real_turbo.conftest import ARCH, BUILD

@@ -57,7 +57,7 @@ def test_the_sentinel_passes_primus_turbo(recipe):
     reason="one build and arch only (minutes under the interpreter); the one-process tests above run everywhere",
 )
 def test_fsdp2_gradient_accumulation_with_fp8_all_gather_on_and_off():
-    from test_distributed import every_rank, torchrun_script
+    from support.ranks import every_rank, torchrun_script
 
     for r in every_rank(torchrun_script("grad_accumulation.py")):
         b = r["primus_turbo"]

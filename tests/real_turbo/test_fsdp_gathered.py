@@ -83,7 +83,7 @@ def test_where_primus_turbo_takes_the_fp8_gathered_weight(recipe, fp8):
 def test_two_rank_fsdp2_fp8_all_gather_changes_no_bit():
     """2 FSDP2 ranks (gloo), the MoE debug model on Primus-Turbo, rowwise, an AdamW step: loss,
     gradients and updated weights bitwise equal with FP8 and bf16 all-gather of every FP8 weight."""
-    from test_distributed import every_rank, torchrun_script
+    from support.ranks import every_rank, torchrun_script
 
     for r in every_rank(torchrun_script("fsdp_fp8_all_gather.py", "deepseek_v3", "rowwise", ARCH, "primus_turbo", "1")):
         assert r["bitwise_equal"] == {"loss": True, "grads": True, "weights": True}, r

@@ -3,7 +3,7 @@ Primus-Turbo's own code, and agrees with the same model converted to the emulati
 Primus-Turbo's definition as closely as the emulation agrees with itself after a last-bit change."""
 
 import torch
-from titan_helpers import build, model_config
+from support.titan_helpers import build, model_config
 
 import titan_primus as tp
 from real_turbo.conftest import ARCH, one_arch

@@ -5,7 +5,7 @@ for any number of tokens."""
 import pytest
 import torch
 import torch.nn.functional as F
-from titan_helpers import model_config
+from support.titan_helpers import model_config
 
 import titan_primus as tp
 from real_turbo.conftest import ARCH, BUILD, one_arch

@@ -11,8 +11,8 @@ is, within a factor for the stand-in's summation order."""
 import os
 
 import pytest
-from closeness import relative_gaps
-from helpers import sgd_losses
+from support.closeness import relative_gaps
+from support.helpers import sgd_losses
 from torchtitan.models.attention import ScaledDotProductAttentionWrapper
 from tt02_helpers import convert, materialize, meta_model, tokens
 

@@ -19,7 +19,7 @@ from ..diagnostics.environment import diagnose
 from .arguments import add_profile, add_switch
 from .formatting import column_table, fields, markdown_table
 
-__all__ = ["command", "register", "render", "run"]
+__all__ = ["register", "render", "run"]
 
 
 _BACKEND_COLUMNS = (
@@ -132,13 +132,6 @@ def _cited(reason: str, note: dict) -> str:
     return reason
 
 
-def command(device: str | None, as_json: bool, out, check_kernels: bool = False) -> int:
-    """0, or with ``check_kernels`` 1 when a routed kernel failed its self-check."""
-    diagnosis = diagnose(device, check_kernels=check_kernels)
-    out.write(json.dumps(diagnosis, indent=2) + "\n" if as_json else render(diagnosis))
-    return int(any(row["status"] == "fail" for row in diagnosis.get("kernel_checks", ())))
-
-
 def register(commands) -> None:
     """Adds the command's parser to ``commands`` (the subparsers of ``titan-primus``)."""
     doctor = commands.add_parser(
@@ -157,4 +150,7 @@ def register(commands) -> None:
 
 
 def run(args) -> int:
-    return command(args.device, args.json, sys.stdout, check_kernels=args.check_kernels)
+    """0, or with --check-kernels 1 when a routed kernel failed its self-check."""
+    diagnosis = diagnose(args.device, check_kernels=args.check_kernels)
+    sys.stdout.write(json.dumps(diagnosis, indent=2) + "\n" if args.json else render(diagnosis))
+    return int(any(row["status"] == "fail" for row in diagnosis.get("kernel_checks", ())))

@@ -10,7 +10,7 @@ from pathlib import Path
 from ..diagnostics.results import ResultsFileError, format_db, load_document, parse_db
 from .formatting import markdown_table, pyplot, save_png
 
-__all__ = ["command", "plot_memory_png", "plot_sqnr_png", "register", "render_markdown", "run"]
+__all__ = ["plot_memory_png", "plot_sqnr_png", "register", "render_markdown", "run"]
 
 
 # --- rendering several files side by side ---------------------------------------------------
@@ -265,7 +265,8 @@ def plot_memory_png(labelled: list[tuple[str, dict]], path: str) -> None:
     _finish(plt, fig, axes, path, "titan-primus bench --memory: what each converted layer keeps for backward", 0.05)
 
 
-def command(paths: list[str], png: str | None, out) -> int:
+def run(args) -> int:
+    paths, png, out = args.files, args.png, sys.stdout
     labelled = [(_label(p, doc), doc) for p, doc in ((p, load_document(p)) for p in paths)]
     validate = [(Path(p).name, doc) for p, (_, doc) in zip(paths, labelled) if doc["kind"] == "validate"]
     if validate:  # validate files render on their own: verdicts, runs, curves
@@ -309,7 +310,3 @@ def register(commands) -> None:
         "(needs matplotlib); a validate file: its loss curves, tokens/s and memory",
     )
     report.set_defaults(run=run)
-
-
-def run(args) -> int:
-    return command(args.files, args.png, sys.stdout)

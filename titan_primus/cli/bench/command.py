@@ -5,6 +5,7 @@ traffic modelled by :mod:`titan_primus.diagnostics.traffic`)."""
 from __future__ import annotations
 
 import sys
+from functools import partial
 
 from ...device import DeviceProfile, detect_device
 from ...diagnostics.bench import bench_document, peak_for
@@ -15,7 +16,7 @@ from ..formatting import column_table, emit, fields, number, outcome_lines
 from ..progress import progress
 from .traffic import render_ep_traffic, render_traffic
 
-__all__ = ["command", "register", "render", "render_sentinel_cost", "run"]
+__all__ = ["register", "render", "render_sentinel_cost", "run"]
 
 _TIMING_COLUMNS = (
     *fields("op", "case", "shape", "backend"),
@@ -73,26 +74,6 @@ def render_sentinel_cost(rows: list[dict]) -> str:
     )
 
 
-def command(
-    recipes: list[str],
-    quick: bool,
-    compile: bool,
-    iters: int | None,
-    warmup: int | None,
-    json_path: str | None,
-    out,
-    fsdp_ranks: int = 8,
-    err=None,
-) -> int:
-    """Measure, print, write ``json_path``; 1 when a backend raised."""
-    prepare_output(json_path)
-    doc = bench_document(
-        recipes, quick, compile, iters, warmup, fsdp_ranks, lambda total: progress("bench", total, err or sys.stderr)
-    )
-    emit(out, render(doc, detect_device()), doc, json_path)
-    return 1 if doc["summary"]["error"] else 0
-
-
 def register(commands) -> None:
     """Adds the command's parser to ``commands`` (the subparsers of ``titan-primus``)."""
     bench = commands.add_parser(
@@ -137,15 +118,16 @@ def register(commands) -> None:
 
 
 def run(args) -> int:
+    """Measure, print, write --json; 1 when a backend raised."""
     recipes = args.recipe or list(RECIPE_NAMES)
     if args.memory:
         from . import memory_audit
 
-        return memory_audit.command(
-            recipes, args.quick, args.json, sys.stdout, args.fsdp_ranks, args.seq_len, args.local_batch, args.device
-        )
+        return memory_audit.run(args, recipes)
     if args.device:
         raise ValueError("bench --device goes with --memory: the timings run on this machine's device")
-    return command(
-        recipes, args.quick, args.compile, args.iters, args.warmup, args.json, sys.stdout, args.fsdp_ranks, sys.stderr
-    )
+    prepare_output(args.json)
+    reporter = partial(progress, "bench", err=sys.stderr)
+    doc = bench_document(recipes, args.quick, args.compile, args.iters, args.warmup, args.fsdp_ranks, reporter)
+    emit(sys.stdout, render(doc, detect_device()), doc, args.json)
+    return 1 if doc["summary"]["error"] else 0

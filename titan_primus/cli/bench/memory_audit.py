@@ -4,6 +4,7 @@ peaks, attention) as tables."""
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 
 from ...device import DeviceProfile
@@ -13,7 +14,7 @@ from ...diagnostics.memory.saved import AUDIT_SHAPES, CATEGORIES
 from ...diagnostics.results import prepare_output
 from ..formatting import column_table, emit, fields, number, outcome_lines
 
-__all__ = ["command", "render"]
+__all__ = ["render", "run"]
 
 
 def _gib(value: float) -> str:
@@ -126,18 +127,10 @@ def render(doc: dict, profile: DeviceProfile) -> str:
     return "\n".join(lines) + "\n"
 
 
-def command(
-    recipes: list[str],
-    quick: bool,
-    json_path: str | None,
-    out,
-    fsdp_ranks: int,
-    seq_len: int,
-    local_batch: int,
-    device: str | None = None,
-) -> int:
-    profile = resolve_profile(device)
-    prepare_output(json_path)
-    doc = memory_document(profile, recipes, quick, fsdp_ranks, seq_len, local_batch)
-    emit(out, render(doc, profile), doc, json_path)
+def run(args, recipes: list[str]) -> int:
+    """``bench --memory`` of ``recipes``; 1 when an audit raised."""
+    profile = resolve_profile(args.device)
+    prepare_output(args.json)
+    doc = memory_document(profile, recipes, args.quick, args.fsdp_ranks, args.seq_len, args.local_batch)
+    emit(sys.stdout, render(doc, profile), doc, args.json)
     return 1 if doc["summary"]["error"] else 0

@@ -6,6 +6,7 @@ did not run."""
 from __future__ import annotations
 
 import sys
+from functools import partial
 
 from ... import registry
 from ...device import DeviceProfile
@@ -26,7 +27,7 @@ from ..arguments import add_profile, add_switch
 from ..formatting import column_table, emit, skip_lines
 from ..progress import progress
 
-__all__ = ["command", "register", "render", "run"]
+__all__ = ["register", "render", "run"]
 
 
 def _same_definition_cell(row: Row) -> str:
@@ -107,15 +108,6 @@ def render(rows: list[Row], doc: dict, profile: DeviceProfile) -> str:
     return "\n".join(lines) + "\n"
 
 
-def command(device: str | None, quick: bool, required: list[str], json_path: str | None, out, err) -> int:
-    """Run the matrix, print it, write ``json_path``; 1 when a case failed or a required backend did not run."""
-    profile = resolve_profile(device)
-    prepare_output(json_path)
-    doc, rows = parity_document(profile, quick, required, lambda total: progress("parity", total, err))
-    emit(out, render(rows, doc, profile), doc, json_path)
-    return 0 if doc["summary"]["ok"] else 1
-
-
 def register(commands) -> None:
     """Adds the command's parser to ``commands`` (the subparsers of ``titan-primus``)."""
     parity = commands.add_parser(
@@ -143,8 +135,13 @@ def register(commands) -> None:
 
 
 def run(args) -> int:
+    """Run the matrix, print it, write --json; 1 when a case failed or a required backend did not run."""
     if args.replay:
         from . import replay
 
-        return replay.command(args.replay, args.device, args.json, sys.stdout)
-    return command(args.device, args.quick, args.require, args.json, sys.stdout, sys.stderr)
+        return replay.run(args)
+    profile = resolve_profile(args.device)
+    prepare_output(args.json)
+    doc, rows = parity_document(profile, args.quick, args.require, partial(progress, "parity", err=sys.stderr))
+    emit(sys.stdout, render(rows, doc, profile), doc, args.json)
+    return 0 if doc["summary"]["ok"] else 1

@@ -6,6 +6,7 @@ fails or raises; the captured row only informs.
 
 from __future__ import annotations
 
+import sys
 import time
 
 from ...diagnostics.replay import replay, replay_document
@@ -13,7 +14,7 @@ from ...diagnostics.results import prepare_output
 from ...numerics import QUANTITIES
 from ..formatting import emit, markdown_table
 
-__all__ = ["command"]
+__all__ = ["run"]
 
 
 def render(rows: list[dict], capture, path: str, seconds: float) -> str:
@@ -57,11 +58,13 @@ def render(rows: list[dict], capture, path: str, seconds: float) -> str:
     return "\n".join(lines) + "\n"
 
 
-def command(path: str, device: str | None, json_path: str | None, out) -> int:
-    """Replay ``path``; 1 when a backend here differs from the emulation or raises."""
-    prepare_output(json_path)
+def run(args) -> int:
+    """Replay ``args.replay``; 1 when a backend here differs from the emulation or raises."""
+    path = args.replay
+    prepare_output(args.json)
     started = time.perf_counter()
-    rows, capture, profile = replay(path, device)
+    rows, capture, profile = replay(path, args.device)
     seconds = time.perf_counter() - started
-    emit(out, render(rows, capture, path, seconds), replay_document(path, rows, capture, profile, seconds), json_path)
+    doc = replay_document(path, rows, capture, profile, seconds)
+    emit(sys.stdout, render(rows, capture, path, seconds), doc, args.json)
     return 1 if any(r["status"] in ("fail", "error") for r in rows[1:]) else 0

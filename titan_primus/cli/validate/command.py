@@ -14,14 +14,15 @@ from ...recipes import RECIPE_NAMES
 from ..arguments import add_count, add_switch
 from ..validate_results import plot_validate_png, render_validate_markdown
 
-__all__ = ["command", "register", "run"]
+__all__ = ["register", "run"]
 
 
-def command(args, argv: list[str], out) -> int:
+def run(args) -> int:
+    out = sys.stdout
     prepare_output(args.json)
     prepare_output(args.png)
     try:
-        doc = validate_document(args, argv)
+        doc = validate_document(args, args.argv)
     except RefusedBeforeTraining as e:
         print(f"titan-primus validate: FAIL before training: {e}", file=sys.stderr)
         return 1
@@ -119,7 +120,3 @@ def register(commands) -> None:
     validate.add_argument("--work-dir", metavar="DIR", help="keep the trainer logs and dump folders in DIR")
     validate.add_argument("overrides", nargs=argparse.REMAINDER, help="-- then TorchTitan trainer arguments")
     validate.set_defaults(run=run)
-
-
-def run(args) -> int:
-    return command(args, args.argv, sys.stdout)

@@ -40,11 +40,12 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 def _keep_freed_memory() -> None:
     """glibc maps each block over its mmap threshold (128 KiB at first, rising to the largest block
     freed) from the kernel and unmaps it when freed, so every step faults the pages of its
-    activations in again, zeroed by the kernel: of a 2-rank qwen3_moe_debug run's 113 s of CPU, 38 s
-    were the kernel's (2026-12-05, this project's 2-core machine). Blocks up to 32 MiB (glibc's
-    largest threshold) now come from the heap, which keeps what is freed (up to 2 GiB at its top)
-    for the next allocation: that run's kernel time 38 -> 16 s, wall 71 -> 55 s, peak RSS +3%.
-    Nothing changes in the numbers computed; without glibc (musl, macOS) nothing is done."""
+    activations in again, zeroed by the kernel: of a 2-rank qwen3_moe_debug test's 113 s of CPU,
+    38 s were the kernel's. Blocks up to 32 MiB (glibc's largest threshold) now come from the heap,
+    which is never trimmed, so what is freed serves the next allocation: that test's kernel time
+    38 -> 22 s, wall 71 -> 60 s, peak RSS 4.8 -> 5.1 GB (alone on this project's 2-core machine,
+    2026-12-05; 116 -> 103 s in CI beside other tests). The numbers computed do not change;
+    without glibc (musl, macOS) nothing is done."""
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
     if mallopt is not None:
         mallopt(_M_MMAP_THRESHOLD, 32 << 20)

@@ -4,4 +4,4 @@ puts tests/ on the path, finds it by itself)."""
 
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]

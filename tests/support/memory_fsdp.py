@@ -16,7 +16,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from titan_helpers import build, model_config, print_line
+from support.titan_helpers import build, model_config, print_line
 
 from titan_primus.integrations.torchtitan.common.cpu_world import exit_without_teardown
 

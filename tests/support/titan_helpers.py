@@ -5,8 +5,6 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import re
-import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
@@ -15,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from repo_root import ROOT
+from support.trainer_run import torchrun_trainer
 
 # The CPU launcher's attention swap (FlexAttention has no CPU backward), reused for models
 # built in-process. Importing it also points TorchTitan's device helpers at the CPU.
@@ -98,9 +96,6 @@ def once_per_session(name: str, make: Callable[[], dict[int, float]]) -> dict[in
     return {int(step): loss for step, loss in json.loads(path.read_text()).items()}
 
 
-LOSS = re.compile(r"step:\s*(\d+)\s.*?loss:\s*([0-9.]+)")
-
-
 def run_trainer(
     module: str,
     config: str,
@@ -115,14 +110,7 @@ def run_trainer(
 ) -> tuple[dict[int, float], str]:
     """Run TorchTitan's real trainer through the CPU launcher (``nproc`` ranks, gloo), ``batch``
     sequences of ``seq_len`` tokens per rank and step; returns ({step: loss}, log)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        str(LAUNCHER),
+    args = [
         "--module",
         module,
         "--config",
@@ -141,10 +129,4 @@ def run_trainer(
         "--validator.no-enable",
         *extra,
     ]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    log = proc.stdout + proc.stderr
-    if (proc.returncode != 0) != expect_failure:
-        raise AssertionError(
-            f"trainer exit code {proc.returncode} (expected failure: {expect_failure}):\n{log[-6000:]}"
-        )
-    return {int(s): float(v) for s, v in LOSS.findall(re.sub(r"\x1b\[[0-9;]*m", "", log))}, log
+    return torchrun_trainer(LAUNCHER, args, nproc=nproc, env=env, expect_failure=expect_failure, timeout=900)

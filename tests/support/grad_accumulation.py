@@ -15,7 +15,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from titan_helpers import build, model_config, print_every_rank
+from support.titan_helpers import build, model_config, print_every_rank
 
 from titan_primus.integrations.torchtitan.common.cpu_world import exit_without_teardown
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard

@@ -21,7 +21,7 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from titan_helpers import build, model_config, print_every_rank, token_ids
+from support.titan_helpers import build, model_config, print_every_rank, token_ids
 from torch.distributed.checkpoint.state_dict import set_model_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import titan_primus as tp
 from titan_primus.backends.base import TensorParallelShards
 from titan_primus.metrics import sqnr
-from titan_helpers import print_every_rank
+from support.titan_helpers import print_every_rank
 
 from titan_primus.integrations.torchtitan.common.cpu_world import exit_without_teardown  # noqa: E402
 

@@ -1,8 +1,8 @@
 """Bytes one MoE block's experts keep from forward to backward on TorchAO's grouped GEMM, as
 TorchTitan's GroupedExperts calls it (w1 and w3 on the same routed tokens, w2 on their product),
-TorchAO's own Python on CPU stand-ins for its kernels (tests/doubles/torchao_grouped_kernels.py).
+TorchAO's own Python on CPU stand-ins for its kernels (tests/support/doubles/torchao_grouped_kernels.py).
 
-    PYTHONPATH=$PWD .venv/bin/python tests/torchao_moe_block_memory.py [tokens dim hidden experts]
+    PYTHONPATH=$PWD .venv/bin/python tests/support/torchao_moe_block_memory.py [tokens dim hidden experts]
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from doubles import torchao_grouped_kernels
+from support.doubles import torchao_grouped_kernels
 
 import titan_primus as tp
 from titan_primus.diagnostics.memory.saved import kept_for_backward, recording_saved_tensors

@@ -32,12 +32,12 @@ from torchtitan.distributed.activation_checkpoint import _get_default_save_ops
 from torchtitan.distributed.utils import set_spmd_backend
 from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, TorchAOTokenDispatcher
 
-from titan_helpers import print_every_rank  # also the CPU launcher's device patches
+from support.titan_helpers import print_every_rank  # also the CPU launcher's device patches
 from titan_primus.integrations.torchtitan.common.cpu_world import exit_without_teardown
 
 import titan_primus as tp
 from titan_primus.device import device_profile
-from dispatch_overrides import copy_in_bf16_config
+from support.dispatch_overrides import copy_in_bf16_config
 from titan_primus.recipes import with_fp8_dispatch
 from titan_primus.integrations.torchtitan.v0_3.dispatch import fp8_dispatcher_config
 

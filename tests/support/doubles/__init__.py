@@ -1,0 +1,1 @@
+"""Hand-written doubles of what cannot run here, each rule citing its upstream file."""
