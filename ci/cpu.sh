@@ -4,7 +4,8 @@
 # the tier on Primus-Turbo's own code at the Makefile's TURBO_RUNS: ci/primus-turbo.sh fetches its
 # builds from GitHub where they are not beside the checkout), the CPU parity gate (results in
 # artifacts/cpu), then the TorchTitan 0.2.x suite on the oldest stack the project supports (torch
-# 2.12, torchao 0.15: AMD's images) and on the current one. Stops at the first failure. The tier's
+# 2.12, torchao 0.15: AMD's images) and, at the same time, on the current one. Stops at the first
+# failure (the two 0.2.x suites both finish). The tier's
 # other runs and the canary on TorchTitan main are ci/cpu-more.sh's, the MoE validate
 # ci/cpu-moe.sh's: jobs of the cpu workflow beside this one, so that this script, which .ci/run
 # runs on one 2-core machine, stays well under CI's time limit (docs/ci.md).

@@ -5,6 +5,7 @@ checked step with the layer named, and two FSDP2 ranks train exactly as with the
 import json
 import os
 import re
+from pathlib import Path
 
 from support import corrupt_backend
 import pytest
@@ -22,7 +23,8 @@ def fp8(**options) -> tuple[str, str]:
 def plugin_env(tmp_path, corruption: str) -> dict:
     """The corrupted backend as an installed plugin, found through its entry point."""
     plugin = corrupt_backend.write_entry_point(tmp_path / "plugin")
-    path = os.pathsep.join([str(plugin), str(HERE), str(ROOT), os.environ.get("PYTHONPATH", "")])
+    module_folder = str(Path(corrupt_backend.__file__).parent)  # its entry point names it top-level
+    path = os.pathsep.join([str(plugin), module_folder, str(ROOT), os.environ.get("PYTHONPATH", "")])
     return {"PYTHONPATH": path, "TITAN_PRIMUS_CORRUPT": corruption, "TITAN_PRIMUS_DISABLE_PLUGIN_AUTOLOAD": ""}
 
 

@@ -4,6 +4,7 @@ catching a corrupted backend installed as a plugin on the first checked step, la
 
 import os
 import re
+from pathlib import Path
 
 from support import corrupt_backend
 import pytest
@@ -76,7 +77,8 @@ def test_watched_modules_compute_the_same_bits_and_experts_are_checked_gemm_by_g
 
 def _plugin_env(tmp_path, corruption: str) -> dict:
     plugin = corrupt_backend.write_entry_point(tmp_path / "plugin")
-    path = os.pathsep.join([str(plugin), str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH", "")])
+    module_folder = str(Path(corrupt_backend.__file__).parent)  # its entry point names it top-level
+    path = os.pathsep.join([str(plugin), module_folder, str(ROOT), os.environ.get("PYTHONPATH", "")])
     return {"PYTHONPATH": path, "TITAN_PRIMUS_CORRUPT": corruption, "TITAN_PRIMUS_DISABLE_PLUGIN_AUTOLOAD": ""}
 
 
