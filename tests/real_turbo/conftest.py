@@ -69,6 +69,6 @@ def hardware(device):
     asserted by Primus-Turbo's public grouped op)."""
     from support.helpers import Hardware
 
-    from real_turbo.test_same_as_turbo import CudaLooking
+    from real_turbo.calls import CudaLooking
 
     return Hardware("cpu", device, "aot_eager", lambda lens: lens.as_subclass(CudaLooking))

@@ -9,7 +9,7 @@ import torch
 
 import titan_primus as tp
 from real_turbo.conftest import ARCH, RECIPES, TURBO
-from real_turbo.test_same_as_turbo import CudaLooking, _config, _grads
+from real_turbo.calls import CudaLooking, grads, turbo_config
 from titan_primus.backends.primus_turbo.autograd import group_offsets
 from titan_primus.grouping import group_lens
 
@@ -50,9 +50,9 @@ DISPATCHERS = {  # module -> the dispatcher classes its GEMM custom ops run thro
 
 
 def _gemm_launches(fn, *inputs, monkeypatch):
-    """``_grads(fn, *inputs)`` and the FP8 GEMMs it launched, eager or compiled."""
+    """``grads(fn, *inputs)`` and the FP8 GEMMs it launched, eager or compiled."""
     launches = _counting_gemm_launches(monkeypatch)
-    return _grads(fn, *inputs), launches
+    return grads(fn, *inputs), launches
 
 
 def _counting_gemm_launches(monkeypatch) -> list:
@@ -77,7 +77,7 @@ def _counting_gemm_launches(monkeypatch) -> list:
 def test_compiled_equals_eager_with_three_gemms(op, recipe, monkeypatch):
     fn = _linear(recipe) if op == "linear" else _grouped(recipe)
     inputs = _inputs(op)
-    eager = _grads(fn, *inputs)
+    eager = grads(fn, *inputs)
     torch._dynamo.reset()
     compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
     graph, launches = _gemm_launches(compiled, *inputs, monkeypatch=monkeypatch)
@@ -119,10 +119,12 @@ class SavedTensors:
 
 def _turbo_own(op, recipe):
     if op == "linear":
-        return lambda x, w: TURBO.ops.gemm_fp8(x, w, trans_b=True, out_dtype=torch.bfloat16, config=_config(recipe))
+        return lambda x, w: TURBO.ops.gemm_fp8(
+            x, w, trans_b=True, out_dtype=torch.bfloat16, config=turbo_config(recipe)
+        )
     lens = group_lens(OFFS).as_subclass(CudaLooking)
     return lambda A, W: TURBO.ops.grouped_gemm_fp8(
-        A, W, lens, group_offs=group_offsets(OFFS), trans_b=True, out_dtype=torch.bfloat16, config=_config(recipe)
+        A, W, lens, group_offs=group_offsets(OFFS), trans_b=True, out_dtype=torch.bfloat16, config=turbo_config(recipe)
     )
 
 

@@ -10,7 +10,7 @@ import torch
 import titan_primus as tp
 from real_turbo.conftest import ARCH, RECIPES, TURBO
 from support.closeness import fraction_beyond
-from real_turbo.test_same_as_turbo import _grads
+from real_turbo.calls import grads
 from titan_primus.fp8.blocks import cells_of, quantize_blocks
 from titan_primus.fp8.scaling import quantize
 
@@ -36,8 +36,8 @@ def _backends(recipe):
 def test_linear_emulation_is_primus_turbo_to_one_ulp(recipe, dtype):
     turbo, emulated, made = _backends(recipe)
     x, w = torch.randn(256, 384, dtype=dtype), torch.randn(512, 384, dtype=dtype)
-    ours = _grads(lambda a, b: turbo.linear(a, b, None, made), x, w)
-    emul = _grads(lambda a, b: emulated.linear(a, b, None, made), x, w)
+    ours = grads(lambda a, b: turbo.linear(a, b, None, made), x, w)
+    emul = grads(lambda a, b: emulated.linear(a, b, None, made), x, w)
     for name, a, b in zip(("out", "grad_input", "grad_weight"), ours, emul):
         assert a.dtype == b.dtype, name
         assert _beyond_one_ulp(a, b) <= MAX_FRACTION_BEYOND_ONE_ULP, name
@@ -48,8 +48,8 @@ def test_grouped_emulation_is_primus_turbo_to_one_ulp(recipe):
     turbo, emulated, made = _backends(recipe)
     offs = torch.tensor([96, 96, 256, 384], dtype=torch.int32)  # an empty expert, 16 trailing rows
     A, W = torch.randn(400, 256, dtype=torch.bfloat16), torch.randn(4, 512, 256, dtype=torch.bfloat16)
-    ours = _grads(lambda a, w: turbo.grouped_mm(a, w.transpose(-2, -1), offs, made), A, W)
-    emul = _grads(lambda a, w: emulated.grouped_mm(a, w.transpose(-2, -1), offs, made), A, W)
+    ours = grads(lambda a, w: turbo.grouped_mm(a, w.transpose(-2, -1), offs, made), A, W)
+    emul = grads(lambda a, w: emulated.grouped_mm(a, w.transpose(-2, -1), offs, made), A, W)
     for name, a, b in zip(("out", "grad_input", "grad_weight"), ours, emul):
         assert _beyond_one_ulp(a, b) <= MAX_FRACTION_BEYOND_ONE_ULP, name
 

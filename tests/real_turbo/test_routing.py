@@ -9,7 +9,7 @@ from support.titan_helpers import model_config
 
 import titan_primus as tp
 from real_turbo.conftest import ARCH, BUILD, one_arch
-from real_turbo.test_same_as_turbo import _grads
+from real_turbo.calls import grads
 from titan_primus.backends.primus_turbo import MX_ON_REQUEST
 from titan_primus.torchtitan import Float8Converter
 
@@ -102,7 +102,7 @@ def test_every_linear_shape_the_router_accepts_runs_for_any_token_count(recipe):
     for k, n in accepted:
         for tokens in (1, 17, 300):
             x, w = torch.randn(tokens, k, dtype=torch.bfloat16), torch.randn(n, k, dtype=torch.bfloat16)
-            got = _grads(lambda a, b: backend.linear(a, b, None, made), x, w)
+            got = grads(lambda a, b: backend.linear(a, b, None, made), x, w)
             assert all(torch.isfinite(t).all() for t in got), (k, n, tokens)
 
 
@@ -116,7 +116,7 @@ def test_every_grouped_shape_the_router_accepts_runs(recipe):
     offs = torch.tensor([1, 1, 18], dtype=torch.int32)  # one token, an empty expert, 3 trailing rows
     for k, n in accepted:
         A, W = torch.randn(21, k, dtype=torch.bfloat16), torch.randn(3, n, k, dtype=torch.bfloat16)
-        got = _grads(lambda a, w: backend.grouped_mm(a, w.transpose(-2, -1), offs, made), A, W)
+        got = grads(lambda a, w: backend.grouped_mm(a, w.transpose(-2, -1), offs, made), A, W)
         assert all(torch.isfinite(t).all() for t in got), (k, n)
 
 

@@ -11,7 +11,7 @@ from triton.runtime import errors as triton_errors
 
 import titan_primus as tp
 from real_turbo.conftest import ARCH, BUILD, RECIPES, TURBO
-from real_turbo.test_same_as_turbo import CudaLooking, _config, _grads
+from real_turbo.calls import CudaLooking, grads, turbo_config
 from titan_primus.backends.primus_turbo import load_api
 from titan_primus.backends.primus_turbo.autograd import group_offsets
 from titan_primus.grouping import group_lens
@@ -34,14 +34,14 @@ def _refusal(op, recipe, k, n) -> str:
 
 def _turbo_linear(recipe, x, w):
     out_dtype = x.dtype if x.dtype != torch.float32 else torch.bfloat16
-    return _grads(
-        lambda a, b: TURBO.ops.gemm_fp8(a, b, trans_b=True, out_dtype=out_dtype, config=_config(recipe)), x, w
+    return grads(
+        lambda a, b: TURBO.ops.gemm_fp8(a, b, trans_b=True, out_dtype=out_dtype, config=turbo_config(recipe)), x, w
     )
 
 
 def _ours_linear(recipe, x, w):
     decision = tp.select_backend("linear", recipe, ARCH, "primus_turbo", k=x.shape[1], n=w.shape[0])
-    return _grads(lambda a, b: decision.backend.linear(a, b, None, decision.recipe), x, w)
+    return grads(lambda a, b: decision.backend.linear(a, b, None, decision.recipe), x, w)
 
 
 def _finite(*tensors):
@@ -115,7 +115,7 @@ def test_any_number_of_tokens(recipe, tokens):
     padded = torch.cat([x, x.new_zeros(rows - tokens, 256)])
     leaves = [padded.clone().requires_grad_(), w.clone().requires_grad_()]
     out_dtype = torch.bfloat16
-    theirs = TURBO.ops.gemm_fp8(*leaves, trans_b=True, out_dtype=out_dtype, config=_config(recipe))
+    theirs = TURBO.ops.gemm_fp8(*leaves, trans_b=True, out_dtype=out_dtype, config=turbo_config(recipe))
     grad = torch.randn(ours[0].shape, generator=torch.Generator().manual_seed(7)).to(out_dtype)
     theirs.backward(torch.cat([grad, grad.new_zeros(rows - tokens, 256)]))
     assert torch.equal(ours[0], theirs[:tokens].detach())
@@ -154,9 +154,15 @@ def test_ck_alignment_at_the_edge():
 def _turbo_grouped(recipe, A, W, counts):
     offs = torch.tensor(counts).cumsum(0).to(torch.int32)
     lens = group_lens(offs).as_subclass(CudaLooking)
-    return _grads(
+    return grads(
         lambda a, w: TURBO.ops.grouped_gemm_fp8(
-            a, w, lens, group_offs=group_offsets(offs), trans_b=True, out_dtype=torch.bfloat16, config=_config(recipe)
+            a,
+            w,
+            lens,
+            group_offs=group_offsets(offs),
+            trans_b=True,
+            out_dtype=torch.bfloat16,
+            config=turbo_config(recipe),
         ),
         A,
         W,
@@ -170,7 +176,7 @@ def test_grouped_contraction_at_the_edge(recipe):
     counts, A = [24, 0, 40], torch.randn(64, 256, dtype=torch.bfloat16)
     offs = torch.tensor(counts).cumsum(0).to(torch.int32)
     W = torch.randn(3, 256, 256, dtype=torch.bfloat16)
-    got = _grads(lambda a, w: inside.backend.grouped_mm(a, w.transpose(-2, -1), offs, inside.recipe), A, W)
+    got = grads(lambda a, w: inside.backend.grouped_mm(a, w.transpose(-2, -1), offs, inside.recipe), A, W)
     assert _finite(*got)
     small = 128 if recipe == "blockwise" else 240  # blockwise needs K % 128
     for k, n in ((small, 256), (256, small)):
@@ -190,7 +196,7 @@ def test_grouped_contraction_at_the_edge(recipe):
 def test_the_kernels_write_16_bit_output_only():
     x, w = torch.randn(256, 256), torch.randn(256, 256)
     with pytest.raises(ValueError, match="No compatible backend"):
-        TURBO.ops.gemm_fp8(x, w, trans_b=True, out_dtype=torch.float32, config=_config("rowwise"))
+        TURBO.ops.gemm_fp8(x, w, trans_b=True, out_dtype=torch.float32, config=turbo_config("rowwise"))
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
@@ -210,7 +216,7 @@ def test_rows_past_the_groups(recipe):
     decision = _route("grouped_mm", recipe, 256, 256)
     offs = torch.tensor([30, 40], dtype=torch.int32)
     A, W = torch.randn(64, 256, dtype=torch.bfloat16), torch.randn(2, 256, 256, dtype=torch.bfloat16)
-    out, grad_A, grad_W = _grads(
+    out, grad_A, grad_W = grads(
         lambda a, w: decision.backend.grouped_mm(a, w.transpose(-2, -1), offs, decision.recipe), A, W
     )
     assert _finite(out, grad_A, grad_W)
