@@ -9,7 +9,8 @@ import torch
 from support.closeness import assert_losses_within
 from support.ranks import every_rank, torchrun_script
 from support.repo_root import ROOT
-from support.titan_helpers import build, model_config, once_per_session, run_trainer
+from support.once import once_per_session
+from support.titan_helpers import build, model_config, run_trainer
 
 import titan_primus as tp
 from titan_primus.conversion import ConversionOptions, LayerRouter, keep_fp8_cast_rounding_under_inductor
@@ -242,10 +243,11 @@ def _fp8_run(model, dump, steps, all_gather: bool, *extra, backend="", nproc=2, 
 def eager_deepseek_v3_without_fp8_all_gather(tmp_path_factory):
     """{step: loss} of the eager deepseek_v3 run without FP8 all-gather, FSDP2 2 ranks, 3 steps:
     the reference of the two trainer tests below, run once per test session."""
-    return once_per_session(
+    losses = once_per_session(
         "eager-deepseek_v3-fsdp2-3-steps",
         lambda: _fp8_run("deepseek_v3", tmp_path_factory.mktemp("eager-off"), 3, False, *FSDP2)[0],
     )
+    return {int(step): loss for step, loss in losses.items()}
 
 
 @pytest.mark.trainer

@@ -52,3 +52,21 @@ def test_a_seam_patches_once_and_says_what_it_cannot_find(monkeypatch):
     assert "ModuleNotFoundError" in Seam("gone", "no_such_module_here:x", "test", "").missing()
     with pytest.raises(AttributeError):
         replace_once(Seam("gone", f"{holder.__name__}:Owner.absent", "test", ""), wrap)
+
+
+def test_the_cpu_launcher_skips_the_trainers_wait_after_the_last_step_and_nothing_else():
+    """Rank 0 of TorchTitan's trainer sleeps 2 s after its last step; the CPU launcher's ranks end
+    by themselves, so its trainer module's ``time`` has a ``sleep`` that returns at once and every
+    other function of ``time`` unchanged; ``time`` itself is untouched."""
+    import time
+
+    import titan_primus.integrations.torchtitan.v0_3.launch  # noqa: F401  (applies the CPU seams)
+    from titan_primus.integrations.torchtitan.v0_3.seams import END_OF_TRAINING_WAIT
+
+    owner, attribute = END_OF_TRAINING_WAIT.owner_and_attribute()
+    trainer_time = getattr(owner, attribute)
+    assert trainer_time is not time and time.sleep.__module__ == "time"
+    start = time.perf_counter()
+    trainer_time.sleep(5)
+    assert time.perf_counter() - start < 1
+    assert trainer_time.perf_counter is time.perf_counter and trainer_time.monotonic is time.monotonic

@@ -7,7 +7,6 @@ engaged need runs of their own."""
 from __future__ import annotations
 
 import copy
-import fcntl
 import json
 import os
 import re
@@ -20,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from support import corrupt_backend
+from support.once import once_per_session
 from support.repo_root import ROOT
 
 from titan_primus.cli import build_parser
@@ -54,24 +54,21 @@ def _install_wheel(shared: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
-    """One `validate --quick` run per session, shared by the xdist workers (a lock in the
-    session's temporary folder), from a non-editable install of this checkout, in a folder
-    outside the clone: (exit code, Markdown, JSON path, document, the installed package's
-    folder)."""
-    base = tmp_path_factory.getbasetemp()
-    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-    path, markdown, code = shared / "validate-quick.json", shared / "validate-quick.md", shared / "validate-quick.rc"
-    with open(shared / "validate-quick.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not code.exists():
-            target = _install_wheel(shared)
-            elsewhere = shared / "elsewhere"
-            elsewhere.mkdir(exist_ok=True)
-            proc = _validate("--json", str(path), env={"PYTHONPATH": str(target)}, cwd=elsewhere)
-            markdown.write_text(proc.stdout)
-            code.write_text(str(proc.returncode))
-            assert path.exists(), proc.stdout + proc.stderr[-4000:]
-    return int(code.read_text()), markdown.read_text(), path, load_document(str(path)), shared / "installed"
+    """One `validate --quick` run per session, shared by the xdist workers, from a non-editable
+    install of this checkout, in a folder outside the clone: (exit code, Markdown, JSON path,
+    document, the installed package's folder)."""
+
+    def run() -> dict:
+        shared = tmp_path_factory.mktemp("validate-quick")
+        target = _install_wheel(shared)
+        elsewhere, path = shared / "elsewhere", shared / "validate-quick.json"
+        elsewhere.mkdir()
+        proc = _validate("--json", str(path), env={"PYTHONPATH": str(target)}, cwd=elsewhere)
+        assert path.exists(), proc.stdout + proc.stderr[-4000:]
+        return {"code": proc.returncode, "markdown": proc.stdout, "path": str(path), "installed": str(target)}
+
+    made = once_per_session("validate-quick", run)
+    return made["code"], made["markdown"], Path(made["path"]), load_document(made["path"]), Path(made["installed"])
 
 
 def _judged(doc: dict, baseline: dict | None = None) -> dict:

@@ -10,8 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from support import corrupt_backend  # tests/ (conftest puts it on the path)
 import pytest
+from support import corrupt_backend  # tests/ (conftest puts it on the path)
+from support.once import once_per_session
 from support.repo_root import ROOT
 
 from titan_primus.diagnostics.results import load_document
@@ -35,11 +36,17 @@ def _validate(*args: str, env: dict | None = None) -> subprocess.CompletedProces
 
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
-    """One `validate --quick` run: (exit code, Markdown, JSON path, document)."""
-    path = tmp_path_factory.mktemp("validate") / "validate-quick.json"
-    proc = _validate("--json", str(path))
-    assert path.exists(), proc.stdout + proc.stderr[-4000:]
-    return proc.returncode, proc.stdout, path, load_document(str(path))
+    """One `validate --quick` run per session, shared by the xdist workers: (exit code, Markdown,
+    JSON path, document)."""
+
+    def run() -> dict:
+        path = tmp_path_factory.mktemp("validate") / "validate-quick.json"
+        proc = _validate("--json", str(path))
+        assert path.exists(), proc.stdout + proc.stderr[-4000:]
+        return {"code": proc.returncode, "markdown": proc.stdout, "path": str(path)}
+
+    made = once_per_session("validate-quick", run)
+    return made["code"], made["markdown"], Path(made["path"]), load_document(made["path"])
 
 
 def _conclude(doc: dict, baseline: dict) -> dict:

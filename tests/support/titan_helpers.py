@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import fcntl
 import json
-import os
 import sys
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -73,27 +69,6 @@ def build(config, seed: int = 0):
     torch.manual_seed(seed)
     model.init_states()
     return model
-
-
-_ONCE: dict[str, dict] = {}
-
-
-def once_per_session(name: str, make: Callable[[], dict[int, float]]) -> dict[int, float]:
-    """``make()`` ({step: loss}) run once per pytest session, whichever xdist worker asks first (the
-    others wait on a file lock and read its result): a trainer run that several tests compare
-    against, from tests in several modules (an ``xdist_group`` keeps tests on one worker, but
-    these are better spread over both)."""
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # one per session, the same in every worker
-    if run is None:
-        if name not in _ONCE:
-            _ONCE[name] = make()
-        return _ONCE[name]
-    path = Path(tempfile.gettempdir()) / f"titan-primus-{run}-{name}.json"
-    with open(path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not path.exists():
-            path.write_text(json.dumps(make()))
-    return {int(step): loss for step, loss in json.loads(path.read_text()).items()}
 
 
 def run_trainer(

@@ -16,7 +16,6 @@ current_device() as an integer device id). Its "memory" numbers are the process'
 import ctypes
 import os
 import resource
-import socket
 import sys
 import types
 
@@ -24,11 +23,10 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 if "LOCAL_RANK" not in os.environ:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    # Port 0: the one rank's store binds a free port itself (a port found free here and released
+    # could be taken by a concurrent run before the store binds it).
     for key, value in dict(
-        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="0"
     ).items():
         os.environ.setdefault(key, value)
 
@@ -94,6 +92,23 @@ def with_sum_reduction(disable_gradient_division):
                 module.set_force_sum_reduction_for_comms(True)
 
     return disable_gradient_division_gloo
+
+
+def without_sleep(time_module):
+    """``time_module`` with ``sleep`` doing nothing: for the trainer module's own ``time``, whose
+    only sleep is rank 0's 2 s wait "for other ranks to complete" after the last step. The
+    launcher's ranks each end by themselves (:func:`exit_without_teardown`) and torchrun waits for
+    every one, so the wait only added 2 s to each run (a suite of about a hundred runs)."""
+
+    class TimeWithoutSleep(types.ModuleType):
+        def __getattr__(self, name):
+            return getattr(time_module, name)
+
+        @staticmethod
+        def sleep(seconds) -> None:
+            del seconds
+
+    return TimeWithoutSleep(time_module.__name__)
 
 
 def exit_without_teardown(code) -> None:

@@ -21,13 +21,14 @@ from titan_primus.integrations.torchtitan.common import (
 
 # (2) the CPU device, picked while torchtitan is first imported; (3) the MoE router's torch.histc
 #     on int64 indices; (4) the CPU permute indices of token groups; (5) FSDP2's gradient
-#     reduction on gloo: patches of TorchTitan and torch, in seams.py.
+#     reduction on gloo; (6) no wait after the last step: patches of TorchTitan and torch, in seams.py.
 from titan_primus.integrations.torchtitan.v0_2 import seams  # noqa: E402
 
 seams.use_cpu_device(cpu_world.CPU_DEVICE_MODULE)
 seams.count_integer_histograms_on_cpu()
 seams.permute_indices_on_cpu()
 seams.reduce_gradients_with_sum(cpu_world.with_sum_reduction)
+seams.skip_end_of_training_wait(cpu_world.without_sleep)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ __all__ = [
     "permute_indices_on_cpu",
     "record_metrics",
     "reduce_gradients_with_sum",
+    "skip_end_of_training_wait",
     "save_in_selective_ac",
     "use_cpu_device",
 ]
@@ -86,6 +87,12 @@ METRIC_LOGGER = Seam(
     VERIFIED,
     "validate: each step's loss, grad norm, throughput and memory recorded from the trainer's own metrics",
 )
+END_OF_TRAINING_WAIT = Seam(
+    "end_of_training_wait",
+    "torchtitan.train:time",
+    VERIFIED,
+    "CPU launcher: rank 0's 2 s wait after the last step, for ranks that end by themselves, is skipped",
+)
 SEAMS = (
     TRAIN_STEP,
     SAC_SAVE_LIST,
@@ -94,6 +101,7 @@ SEAMS = (
     CPU_HISTC,
     CPU_PERMUTE_INDICES,
     GLOO_SUM_REDUCTION,
+    END_OF_TRAINING_WAIT,
     PARSED_CONFIG,
     METRIC_LOGGER,
 )
@@ -180,6 +188,12 @@ def reduce_gradients_with_sum(with_sum_reduction) -> None:
 
     wrapped = replace_once(GLOO_SUM_REDUCTION, with_sum_reduction)
     llama4_parallelize.disable_fsdp_gradient_division = wrapped
+
+
+def skip_end_of_training_wait(without_sleep) -> None:
+    """The trainer module's ``time`` replaced by ``without_sleep(time)`` (common.cpu_world), whose
+    ``sleep`` does nothing: the trainer's only sleep is rank 0's wait after the last step."""
+    replace_once(END_OF_TRAINING_WAIT, without_sleep)
 
 
 def edit_parsed_config(edit) -> None:

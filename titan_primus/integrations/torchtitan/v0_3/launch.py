@@ -43,12 +43,14 @@ from titan_primus.integrations.torchtitan.common import (
     cpu_world,
 )  # (0) offline Hugging Face, (1) a single-process world without torchrun
 
-# (2) the CPU device, (4) FSDP2's gradient reduction on gloo: patches of TorchTitan, in seams.py;
-#     the device must be chosen before anything else from torchtitan is imported.
+# (2) the CPU device, (4) FSDP2's gradient reduction on gloo, (6) no wait after the last step:
+#     patches of TorchTitan, in seams.py; the device must be chosen before anything else from
+#     torchtitan is imported.
 from titan_primus.integrations.torchtitan.v0_3 import seams  # noqa: E402
 
 seams.use_cpu_device(cpu_world.CPU_DEVICE_MODULE)
 seams.reduce_gradients_with_sum(cpu_world.with_sum_reduction)
+seams.skip_end_of_training_wait(cpu_world.without_sleep)
 
 from torchtitan.config.configs import TrainingConfig  # noqa: E402
 from torchtitan.config.override import derive  # noqa: E402

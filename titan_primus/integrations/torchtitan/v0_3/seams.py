@@ -23,6 +23,7 @@ __all__ = [
     "record_metrics",
     "recognise_fp8_in_has_quantization",
     "reduce_gradients_with_sum",
+    "skip_end_of_training_wait",
     "use_cpu_device",
 ]
 
@@ -71,7 +72,22 @@ INIT_WEIGHTS = Seam(
     VERIFIED,
     "validate: the initial weights' last bit flipped after the trainer initialised them",
 )
-SEAMS = (HAS_QUANTIZATION, TRAIN_STEP, CPU_DEVICE, GLOO_SUM_REDUCTION, PARSED_CONFIG, METRIC_LOGGER, INIT_WEIGHTS)
+END_OF_TRAINING_WAIT = Seam(
+    "end_of_training_wait",
+    "torchtitan.trainer:time",
+    VERIFIED,
+    "CPU launcher: rank 0's 2 s wait after the last step, for ranks that end by themselves, is skipped",
+)
+SEAMS = (
+    HAS_QUANTIZATION,
+    TRAIN_STEP,
+    CPU_DEVICE,
+    GLOO_SUM_REDUCTION,
+    END_OF_TRAINING_WAIT,
+    PARSED_CONFIG,
+    METRIC_LOGGER,
+    INIT_WEIGHTS,
+)
 
 
 def recognise_fp8_in_has_quantization(is_converted) -> None:
@@ -137,6 +153,12 @@ def reduce_gradients_with_sum(with_sum_reduction) -> None:
     """FSDP2 on gloo: TorchTitan's ``disable_fsdp_gradient_division`` wrapped by
     ``with_sum_reduction`` (common.cpu_world)."""
     replace_once(GLOO_SUM_REDUCTION, with_sum_reduction)
+
+
+def skip_end_of_training_wait(without_sleep) -> None:
+    """The trainer module's ``time`` replaced by ``without_sleep(time)`` (common.cpu_world), whose
+    ``sleep`` does nothing: the trainer's only sleep is rank 0's wait after the last step."""
+    replace_once(END_OF_TRAINING_WAIT, without_sleep)
 
 
 def edit_parsed_config(edit) -> None:
