@@ -1,14 +1,8 @@
 # `make test` and `make demo` set themselves up: .venv is created when missing and everything the
-# project needs is installed into it from pyproject.toml.
-PYTHON ?= python3
-# Where the venvs are made: in the checkout unless VENVS names a folder. A venv's path is part of the
-# key inductor gives each C++ kernel it compiles (the venv's torch headers are on the compiler's
-# command line), so a venv at a new path compiles every kernel again even where INDUCTOR_CACHE has
-# it: ci/cpu.sh makes its venvs in one folder outside the clone, the same for every clone.
-VENVS  ?= .
-VENV   := $(VENVS)/.venv
-PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.installed
+# project needs is installed into it from pyproject.toml (how, for each venv: venvs.mk).
+include venvs.mk
+.DEFAULT_GOAL := setup
+
 # One thread per process: on 2-core machines 2 threads made training steps 3-15x slower.
 # $(call run,VENV): inductor's cache is kept between runs and clones (a fresh clone's CI otherwise
 # rebuilds every C++ kernel the suite compiles), under INDUCTOR_CACHE, in one folder per torch
@@ -26,35 +20,9 @@ run     = OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TORCHINDUCTOR
 JOBS   ?= $(shell $(PYTHON) -c "import os; print(min(4, len(os.sched_getaffinity(0))))")
 PYTEST := -m pytest -q -n $(JOBS) --dist loadgroup --durations=20
 
-# The oldest stack the project supports, the one AMD's rocm/primus images run: pyproject.toml's
-# lower bounds (tests/test_install.py checks they agree). torch's registry wheel is a CUDA build
-# that runs on a CPU.
-OLDEST_TORCH      := 2.12.0
-OLDEST_TORCHAO    := 0.15.0
-OLDEST_TORCHTITAN := 0.2.2
-
-# TorchTitan imports triton. CUDA and ROCm builds of torch bring their own (ROCm's under the
-# distribution name pytorch-triton-rocm); CPU-only torch wheels bring none. Installed only when
-# the module is missing, so a ROCm Triton is never replaced.
-ensure_triton = $(1) -c "import triton" 2>/dev/null || $(1) -m pip install -q triton
-
 .PHONY: setup setup-oldest setup-tt02 lint test test-newest test-turbo test-turbo-more test-tt02 test-oldest test-tt-next demo clean
 
 setup: $(STAMP)
-
-# torch is pinned so pip takes the local 2.14.1 wheel instead of resolving a newer one; TORCH and
-# STACK_PINS (pip requirements, e.g. "torchao==0.18.0 torchtitan==0.3.0") choose another stack, in
-# another VENV (test-newest).
-TORCH      ?= 2.14.1
-STACK_PINS ?=
-
-$(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "torch==$(TORCH)"
-	$(PY) -m pip install -q -e ".[test,torchtitan]" $(STACK_PINS)
-	$(call ensure_triton,$(PY))
-	touch $@
 
 # Lint: ruff for the Python (settings in pyproject.toml), shellcheck for the CI scripts; pinned
 # (.pre-commit-config.yaml runs the same releases) and alone in a venv of their own, so the gate
@@ -81,10 +49,6 @@ test: $(STAMP)
 # make test on the newest stack the 0.3 adapter is tested on: the newest registry torch with
 # TorchTitan 0.3.0 and TorchAO 0.18.0, in .venv-newest (the suite and the real-code tier). The
 # GitHub cpu workflow's newest-stack job runs it (ci/newest.sh); here pip is capped at torch 2.14.1.
-NEWEST_TORCH      := 2.15.0
-NEWEST_TORCHAO    := 0.18.0
-NEWEST_TORCHTITAN := 0.3.0
-
 test-newest:
 	$(MAKE) --no-print-directory test VENV=$(VENVS)/.venv-newest TORCH=$(NEWEST_TORCH) \
 		STACK_PINS="torchao==$(NEWEST_TORCHAO) torchtitan==$(NEWEST_TORCHTITAN)"
@@ -126,20 +90,7 @@ test-turbo-more:
 demo: $(STAMP)
 	$(call run,$(VENV)) $(PY) examples/demo.py $(if $(RECIPE),--recipe $(RECIPE))
 
-# TorchTitan 0.2.x and 0.3 cannot share a venv: tests_tt02 runs in its own, built the same way.
-VENV_TT02  := $(VENVS)/.venv-tt02
-PY_TT02    := $(VENV_TT02)/bin/python
-STAMP_TT02 := $(VENV_TT02)/.installed
-
-$(STAMP_TT02): pyproject.toml
-	test -x $(PY_TT02) || $(PYTHON) -m venv $(VENV_TT02)
-	$(PY_TT02) -m pip install -q --upgrade pip
-	# The main venv's torch (the local 2.14.1 wheel); test-oldest covers the oldest stack.
-	$(PY_TT02) -m pip install -q "torch==2.14.1"
-	$(PY_TT02) -m pip install -q -e ".[test,torchtitan02]" "torchtitan==$(OLDEST_TORCHTITAN)"
-	$(call ensure_triton,$(PY_TT02))
-	touch $@
-
+# TorchTitan 0.2.x and 0.3 cannot share a venv: tests_tt02 runs in .venv-tt02 (venvs.mk).
 setup-tt02: $(STAMP_TT02)
 
 # Every test but the trainer runs marked ``oldest``: test-oldest runs those, on the oldest stack
@@ -154,18 +105,6 @@ test-tt02: $(STAMP_TT02)
 # The TorchTitan 0.2.x suite again, on the oldest supported torch and torchao: every test but the
 # trainer runs, of which the ones marked ``oldest`` (FSDP2 with FP8 all-gather on deepseek_v3, a
 # DCP checkpoint resumed across rank counts), which test-tt02 leaves to it.
-VENV_OLDEST  := $(VENVS)/.venv-oldest
-PY_OLDEST    := $(VENV_OLDEST)/bin/python
-STAMP_OLDEST := $(VENV_OLDEST)/.installed
-
-$(STAMP_OLDEST): pyproject.toml Makefile
-	test -x $(PY_OLDEST) || $(PYTHON) -m venv $(VENV_OLDEST)
-	$(PY_OLDEST) -m pip install -q --upgrade pip
-	$(PY_OLDEST) -m pip install -q "torch==$(OLDEST_TORCH)" "torchao==$(OLDEST_TORCHAO)"
-	$(PY_OLDEST) -m pip install -q -e ".[test,torchtitan02]" "torchtitan==$(OLDEST_TORCHTITAN)"
-	$(call ensure_triton,$(PY_OLDEST))
-	touch $@
-
 setup-oldest: $(STAMP_OLDEST)
 
 test-oldest: $(STAMP_OLDEST)
@@ -178,32 +117,12 @@ test-oldest: $(STAMP_OLDEST)
 # adapter's converter, shapes, activation-checkpointing and trainer tests on it, and its token
 # dispatch at TorchTitan's dispatcher seam: the converter's FP8 dispatchers, and the FP8
 # subclasses of its all-to-all and padding dispatchers on 2 gloo ranks (no trainer).
-# A clone of a local checkout (a fresh clone in a temporary folder) looks beside that checkout too.
-TORCHTITAN_NEXT ?= $(shell for d in '$(CURDIR)' "$$(git -C '$(CURDIR)' config --get remote.origin.url)"; do \
-	[ -d "$$d" ] || continue; d=$$(cd "$$d" && pwd); while [ "$$d" != / ]; do d=$$(dirname "$$d"); \
-	if [ -d "$$d/shared/torchtitan-next" ]; then echo "$$d/shared/torchtitan-next"; exit 0; fi; done; done)
-VENV_TT_NEXT  := $(VENVS)/.venv-tt-next
-PY_TT_NEXT    := $(VENV_TT_NEXT)/bin/python
-STAMP_TT_NEXT := $(VENV_TT_NEXT)/.installed
 TT_NEXT_TESTS := tests/test_converter.py tests/test_shapes.py tests/test_activation_checkpointing.py tests/test_trainer.py \
 	tests/test_token_dispatch.py::test_the_converter_gives_qualifying_experts_the_fp8_dispatcher_and_reports_every_layer \
 	tests/test_token_dispatch.py::test_fp8_all_to_all_on_two_ranks
 # Not the two compiled selective-AC cases: about 1000 s of inductor builds on the 2-core machine
 # (2026-12-01, under load), a fifth of CI's budget; make test runs them on TorchTitan 0.3.0.
 TT_NEXT_SELECT := not compiled
-
-# Where the wheel is not there (a fork's runner), pip builds the same commit from GitHub (its
-# version label then reads 0.2.2, main's assets/version.txt; nothing the canary runs reads it).
-TORCHTITAN_NEXT_COMMIT := b5bcd76c66d0acb1a08b176d9639425bc55e0b2a
-TT_NEXT_SOURCE = $(or $(firstword $(wildcard $(TORCHTITAN_NEXT)/torchtitan-*.whl)),torchtitan @ git+https://github.com/pytorch/torchtitan@$(TORCHTITAN_NEXT_COMMIT))
-
-$(STAMP_TT_NEXT): pyproject.toml Makefile
-	test -x $(PY_TT_NEXT) || $(PYTHON) -m venv $(VENV_TT_NEXT)
-	$(PY_TT_NEXT) -m pip install -q --upgrade pip
-	$(PY_TT_NEXT) -m pip install -q "torch==2.14.1"
-	$(PY_TT_NEXT) -m pip install -q -e ".[test]" "$(TT_NEXT_SOURCE)"
-	$(call ensure_triton,$(PY_TT_NEXT))
-	touch $@
 
 test-tt-next: $(STAMP_TT_NEXT)
 	$(call run,$(VENV_TT_NEXT)) $(PY_TT_NEXT) $(PYTEST) $(TT_NEXT_TESTS) -k "$(TT_NEXT_SELECT)"

@@ -16,9 +16,9 @@
 # gives each C++ kernel it compiles, so venvs in a fresh clone compiled every kernel again (a
 # compile-heavy part of the suite took 100 s there against 37 s at a path seen before,
 # 2026-12-05). One run at a time uses the folder (a lock). A venv is kept for the next run while
-# what installs it is unchanged (a key of pyproject.toml and the Makefile, which hold every pin and
-# pip step), and made again from nothing when it changed; make installs this clone into it either
-# way (its stamp is older than a fresh clone's pyproject.toml).
+# what installs it is unchanged (ci/venv_key.py: venvs.mk, which holds every pin and pip step, and
+# pyproject.toml's dependency tables), and made again from nothing when it changed; make installs
+# this clone into it either way (its stamp is older than a fresh clone's pyproject.toml).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -30,7 +30,7 @@ if ! flock -n 9; then
     flock 9
 fi
 
-key=$(cat pyproject.toml Makefile | sha256sum | cut -c1-16)
+key=$(python3 ci/venv_key.py)
 for venv in .venv .venv-tt02 .venv-oldest; do
     if [[ $(cat "$VENVS/$venv/.ci-key" 2> /dev/null) != "$key" ]]; then
         rm -rf "${VENVS:?}/$venv"

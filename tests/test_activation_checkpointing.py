@@ -8,45 +8,11 @@ per-block torch.compile. The 0.2.x save list: tests_tt02/test_activation_checkpo
 
 import pytest
 import torch
-from support.gemm_count import count_gemms
-from support.titan_helpers import build, model_config, token_ids
+from support.titan_helpers import gemms_per_step, model_config
 
 import titan_primus as tp
 from titan_primus.checkpointing import attention_save_ops, fp8_gemm_save_ops
 from titan_primus.torchtitan import Float8Converter, Fp8SelectiveAC
-
-
-def _compile_blocks(model) -> None:
-    from torchtitan.config import CompileConfig
-    from torchtitan.distributed.compile import apply_compile
-    from torchtitan.distributed.parallel_dims import ParallelDims
-
-    torch._dynamo.reset()
-    single = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, world_size=1)
-    apply_compile(model, compile_config=CompileConfig(enable=True), parallel_dims=single)
-
-
-def gemms_per_step(config, ac, compiled: bool, ops, count=count_gemms, seq_len: int = 32) -> tuple[int, int]:
-    """(FP8 GEMMs in the forward, in forward + backward) of one training step of ``config``
-    built with activation checkpointing ``ac`` (a Config, or None); ``count(fn, ops, compiled)``
-    returns ``(fn(), GEMMs it ran)``."""
-    from torchtitan.distributed.activation_checkpoint import SelectiveAC  # noqa: F401  (TorchTitan's)
-
-    model = build(config, seed=0)
-    if ac is not None:
-        ac.build().apply(model)
-    tokens = token_ids(2, seq_len, torch.Generator().manual_seed(3))
-
-    def step():
-        out, forward = count(lambda: model(tokens), ops, compiled)
-        _, backward = count(lambda: out.float().pow(2).mean().backward(), ops, compiled)
-        return forward, forward + backward
-
-    if compiled:
-        _compile_blocks(model)
-        step()  # compiles (the counts of a step that compiles are not the kernels')
-        model.zero_grad(set_to_none=True)
-    return step()
 
 
 CASES = [

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch._inductor.config
 from support.closeness import assert_bitwise, assert_sqnr_at_least
+from support.helpers import attention_grads
 
 from titan_primus.backends.emulated.attention import fp8_attention
 
@@ -23,13 +24,6 @@ def _inputs(B, L, Hq, Hkv, D, seed=0):
     return q, k, v, torch.randn(B, L, Hq, D, generator=g).to(torch.bfloat16)
 
 
-def _grads(fn, q, k, v, dout):
-    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    out = fn(*leaves)
-    out.backward(dout.to(out.dtype))
-    return out.detach(), *(leaf.grad for leaf in leaves)
-
-
 def _sdpa_fp32(q, k, v, causal):
     group = q.shape[2] // k.shape[2]
     q, k, v = (t.float().transpose(1, 2) for t in (q, k, v))
@@ -42,8 +36,10 @@ def _sdpa_fp32(q, k, v, causal):
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_close_to_fp32_attention(shape, causal, fp8_dtype):
     q, k, v, dout = _inputs(*shape)
-    fp8 = _grads(lambda *t: fp8_attention(*t, causal=causal, softmax_scale=None, fp8_dtype=fp8_dtype), q, k, v, dout)
-    fp32 = _grads(lambda *t: _sdpa_fp32(*t, causal), q.float(), k.float(), v.float(), dout)
+    fp8 = attention_grads(
+        lambda *t: fp8_attention(*t, causal=causal, softmax_scale=None, fp8_dtype=fp8_dtype), q, k, v, dout
+    )
+    fp32 = attention_grads(lambda *t: _sdpa_fp32(*t, causal), q.float(), k.float(), v.float(), dout)
     for name, reference, actual in zip(MIN_DB, fp32, fp8):
         assert actual.dtype == torch.bfloat16 and actual.shape == reference.shape, name
         assert_sqnr_at_least(reference, actual.float(), MIN_DB[name], name)
@@ -53,9 +49,9 @@ def test_any_memory_layout_is_logical_bshd():
     """TorchTitan hands over bhsd memory (a transposed view): the result is the bshd one's."""
     q, k, v, dout = _inputs(1, 128, 2, 2, 32)
     fn = lambda *t: fp8_attention(*t, causal=True, softmax_scale=0.2, fp8_dtype=torch.float8_e4m3fn)  # noqa: E731
-    bshd = _grads(fn, q, k, v, dout)
+    bshd = attention_grads(fn, q, k, v, dout)
     bhsd_memory = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)]
-    for name, a, b in zip(("out", "dq", "dk", "dv"), bshd, _grads(fn, *bhsd_memory, dout)):
+    for name, a, b in zip(("out", "dq", "dk", "dv"), bshd, attention_grads(fn, *bhsd_memory, dout)):
         assert_bitwise(a, b, name)
 
 
@@ -115,12 +111,12 @@ def test_compiles_fullgraph_equal_to_eager(causal, backend):
     def fn(q, k, v):
         return fp8_attention(q * 1.5, k, v, causal=causal, softmax_scale=None, fp8_dtype=torch.float8_e4m3fnuz)
 
-    eager = _grads(fn, q, k, v, dout)
+    eager = attention_grads(fn, q, k, v, dout)
     torch._dynamo.reset()
     # As the converter sets it: the casts around the op (its bf16 gradients, here scaled by 1.5)
     # round as in eager; inside the op inductor cannot reach.
     with torch._inductor.config.patch(emulate_precision_casts=True):
-        compiled = _grads(torch.compile(fn, fullgraph=True, backend=backend), q, k, v, dout)
+        compiled = attention_grads(torch.compile(fn, fullgraph=True, backend=backend), q, k, v, dout)
     for name, a, b in zip(("out", "dq", "dk", "dv"), eager, compiled):
         assert_bitwise(a, b, f"{backend} {name}")
 
@@ -134,7 +130,7 @@ def test_is_one_opaque_op_forward_and_backward():
         fullgraph=True,
         backend=recorder,
     )
-    _grads(fn, q, k, v, dout)
+    attention_grads(fn, q, k, v, dout)
     assert len(recorder.calls("emulated_fp8_attention_forward")) == 1
     assert len(recorder.calls("emulated_fp8_attention_backward")) == 1
     assert not recorder.calls("aten.exp2"), "the emulation's arithmetic leaked into the graph"

@@ -221,7 +221,7 @@ def test_selective_ac_saves_the_attention_ops():
     ops: under selective AC a training step of deepseek_v3 debug (FP8 attention in its 6 layers)
     runs the attention forward once per layer, as without AC; TorchTitan's stock policy (which
     does not know the op) and full AC run it twice."""
-    from test_activation_checkpointing import gemms_per_step
+    from support.titan_helpers import gemms_per_step
     from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 
     from titan_primus.backends.emulated.attention import FORWARD_OP

@@ -225,6 +225,30 @@ def makefile_runs(name: str) -> list[tuple[str, str]]:
     return [tuple(run.split(":")) for run in re.search(rf"^{name}\s*:=\s*(.+)$", text, re.M)[1].split()]
 
 
+def test_the_kept_venvs_are_made_again_only_when_what_installs_them_changed(tmp_path):
+    """ci/cpu.sh keys its kept venvs on venvs.mk and pyproject.toml's build system and dependency
+    tables (ci/venv_key.py): a new target or tool setting keeps them, a pin or pip step does not."""
+
+    def key(**edits) -> str:
+        for name in ("pyproject.toml", "venvs.mk", "Makefile"):
+            text = (ROOT / name).read_text()
+            old, new = edits.get(name, ("", ""))
+            assert old in text
+            (tmp_path / name).write_text(text.replace(old, new, 1))
+        run = [sys.executable, str(ROOT / "ci" / "venv_key.py"), str(tmp_path)]
+        return subprocess.run(run, check=True, capture_output=True, text=True).stdout.strip()
+
+    kept = key()
+    assert re.fullmatch(r"[0-9a-f]{16}", kept)
+    assert key(Makefile=("test: $(STAMP)", "test-more:\n\ntest: $(STAMP)")) == kept
+    assert (
+        key(**{"pyproject.toml": ("[tool.pytest.ini_options]", "[tool.pytest.ini_options]\nxfail_strict = true")})
+        == kept
+    )
+    assert key(**{"venvs.mk": ("OLDEST_TORCHAO    := 0.15.0", "OLDEST_TORCHAO    := 0.16.0")}) != kept
+    assert key(**{"pyproject.toml": ('"pyyaml>=6"', '"pyyaml>=6.0.1"')}) != kept
+
+
 def test_the_tier_runs_every_build_where_its_costliest_tests_run_and_amds_builds_on_both():
     """make test's tier runs and cpu-more's, together: every build on the architecture its costliest
     tests take (real_turbo/conftest.py's ONE_ARCH), the two builds AMD's images carry on both
@@ -474,9 +498,9 @@ def test_the_canary_builds_torchtitan_main_of_2026_08_21():
     there, else that same commit (the one the wheel's README names) from GitHub."""
     from real_turbo import loader
 
-    makefile = (ROOT / "Makefile").read_text()
-    commit = re.search(r"^TORCHTITAN_NEXT_COMMIT\s*:=\s*([0-9a-f]{40})$", makefile, re.M)[1]
-    assert "git+https://github.com/pytorch/torchtitan@$(TORCHTITAN_NEXT_COMMIT)" in makefile
+    venvs = (ROOT / "venvs.mk").read_text()
+    commit = re.search(r"^TORCHTITAN_NEXT_COMMIT\s*:=\s*([0-9a-f]{40})$", venvs, re.M)[1]
+    assert "git+https://github.com/pytorch/torchtitan@$(TORCHTITAN_NEXT_COMMIT)" in venvs
     readme = loader.default_sources().parent / "torchtitan-next" / "README.md"
     if not readme.is_file():
         pytest.skip(f"no {readme}")

@@ -7,7 +7,7 @@ from dataclasses import fields
 import pytest
 import torch
 from support.closeness import assert_sqnr_at_least
-from support.titan_helpers import build, model_config, token_ids
+from support.titan_helpers import build, convert, model_config, token_ids
 from torchtitan.models.common.linear import Linear
 from torchtitan.models.common.moe import GroupedExperts
 from torchtitan.models.common.token_dispatcher import TorchAOTokenDispatcher
@@ -16,11 +16,6 @@ import titan_primus as tp
 from titan_primus.torchtitan import Float8Converter, Fp8Linear
 
 MODELS = ["llama3", "deepseek_v3", "qwen3"]
-
-
-def convert(model="llama3", config=None, **options):
-    converter = Float8Converter.Config(**options).build()
-    return converter.convert(config or model_config(model)), converter.report
 
 
 def linear_fqns(config):

@@ -3,34 +3,14 @@ fake implementation, autograd registration, AOT dispatch), so torch.compile and 
 activation checkpointing see what eager runs. The emulated backend's ops here; Primus-Turbo's
 wrappers on its own code in the tier (tests/real_turbo)."""
 
-import re
-
 import pytest
 import torch
-from support.repo_root import ROOT
+from support.custom_ops import WITHOUT_FP8_ARITHMETIC, defined_ops, no_output_aliases_an_input
 
 import titan_primus.backends.emulated.attention  # noqa: F401  (registers its ops)
 import titan_primus.backends.emulated.gemm_ops  # noqa: F401
 
 OPS = torch.ops.titan_primus
-
-# On a CPU, opcheck's schema and AOT-dispatch checks sum or multiply every output, which torch
-# cannot do for FP8 there (torch 2.14: "sum_cpu" / "mul_cpu_reduced_float" not implemented for
-# 'Float8_e4m3fn'); an op with FP8 outputs gets the other two, and its aliasing is checked here.
-WITHOUT_FP8_ARITHMETIC = ("test_autograd_registration", "test_faketensor")
-
-
-def _defined() -> set[str]:
-    """Every op name the package's sources register (imported or not)."""
-    sources = (path.read_text() for path in (ROOT / "titan_primus").rglob("*.py"))
-    return {name for text in sources for name in re.findall(r'custom_op\(\s*"(titan_primus::\w+)"', text)}
-
-
-def _no_output_aliases_an_input(op, args):
-    inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
-    outputs = op(*args)
-    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-    assert not inputs & {o.untyped_storage().data_ptr() for o in outputs}
 
 
 def _randn(*shape, dtype=torch.float32, grad=False, seed=0):
@@ -70,12 +50,12 @@ def test_emulated_attention_ops_are_well_formed(causal):
     q, k, v = _attention_inputs()
     forward = OPS.emulated_fp8_attention_forward.default
     args = (q, k, v, causal, 0.125, torch.float8_e4m3fn)
-    _no_output_aliases_an_input(forward, args)
+    no_output_aliases_an_input(forward, args)
     torch.library.opcheck(forward, args, test_utils=WITHOUT_FP8_ARITHMETIC)
     out, *saved = (t.detach() for t in forward(*args))
     backward = OPS.emulated_fp8_attention_backward.default
     back_args = (_randn(*out.shape, dtype=torch.bfloat16, seed=5), *saved[:6], out, saved[6], causal, 0.125)
-    _no_output_aliases_an_input(backward, back_args)
+    no_output_aliases_an_input(backward, back_args)
     torch.library.opcheck(backward, back_args, test_utils=WITHOUT_FP8_ARITHMETIC)
 
 
@@ -83,5 +63,5 @@ def test_every_op_defined_without_primus_turbo_is_checked_here():
     """A new custom op fails this until it has an opcheck above (Primus-Turbo's: the tier)."""
     attention = (OPS.emulated_fp8_attention_forward.default, OPS.emulated_fp8_attention_backward.default)
     checked = {op.name() for op, _ in GEMMS.values()} | {op.name() for op in attention}
-    without_turbo = {name for name in _defined() if "primus_turbo" not in name}
+    without_turbo = {name for name in defined_ops() if "primus_turbo" not in name}
     assert without_turbo == checked, without_turbo ^ checked

@@ -7,37 +7,12 @@ tests/real_turbo/test_empty_experts.py."""
 import pytest
 import torch
 from support.doubles import torchao_grouped_kernels
+from support.empty_experts import ALLOCATION_OPS, EXPERTS, K, N, assert_zero, no_token_step
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import titan_primus as tp
 from titan_primus.ops import run_grouped_mm
 from titan_primus.recipes import RECIPE_NAMES
-
-K, N, EXPERTS = 256, 256, 4  # Primus-Turbo's grouped kernels take contractions (K, N) >= 256
-
-# What a grouped GEMM without rows may run: allocations of its empty output and zero gradients,
-# and autograd's accumulation of them. Anything else (an amax, a cast, a GEMM) fails the test.
-ALLOCATION_OPS = {
-    "aten.zeros.default",
-    "aten.new_zeros.default",
-    "aten.empty.memory_format",
-    "aten.new_empty_strided.default",
-    "aten.copy_.default",
-    "aten.detach.default",
-    "aten.transpose.int",
-    "aten.ones_like.default",
-}
-
-
-class OpsRun(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops: set[str] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.add(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 def _emulated_definitions() -> list:
@@ -49,33 +24,12 @@ def _emulated_definitions() -> list:
     return params
 
 
-def _no_token_step(gemm, rows: int):
-    """Forward and backward of ``gemm`` on ``rows`` rows none of which is in a group (offs all
-    0): (out, grad_A, grad_B_t, ops that ran)."""
-    g = torch.Generator().manual_seed(rows)
-    A = torch.randn(rows, K, generator=g).bfloat16().requires_grad_()
-    W = (torch.randn(EXPERTS, N, K, generator=g) * 0.05).bfloat16().requires_grad_()  # [E, N, K]
-    offs = torch.zeros(EXPERTS, dtype=torch.int32)
-    with OpsRun() as seen:
-        out = gemm(A, W.transpose(-2, -1), offs)
-        out.backward(torch.ones_like(out))
-    return out, A.grad, W.grad.transpose(-2, -1), seen.ops
-
-
-def _assert_zero(out, grad_A, grad_B_t, rows):
-    assert out.dtype == torch.bfloat16 and out.shape == (rows, N)
-    assert grad_A.dtype == torch.bfloat16 and grad_A.shape == (rows, K)
-    assert grad_B_t.shape == (EXPERTS, K, N)
-    for t in (out, grad_A, grad_B_t):
-        assert torch.equal(t, torch.zeros_like(t))  # NaN is never equal to 0
-
-
 @pytest.mark.parametrize("recipe", _emulated_definitions())
 @pytest.mark.parametrize("rows", [0, 48], ids=["no rows", "every row past offs[-1]"])
 def test_grouped_gemm_of_a_rank_without_tokens_is_zero_on_every_emulated_definition(recipe, rows):
     backend = tp.registry.get_backend("emulated")
-    out, grad_A, grad_B_t, ops = _no_token_step(lambda a, b, o: run_grouped_mm(backend, a, b, o, recipe), rows)
-    _assert_zero(out, grad_A, grad_B_t, rows)
+    out, grad_A, grad_B_t, ops = no_token_step(lambda a, b, o: run_grouped_mm(backend, a, b, o, recipe), rows)
+    assert_zero(out, grad_A, grad_B_t, rows)
     if rows == 0:
         assert ops <= ALLOCATION_OPS, ops - ALLOCATION_OPS
 
@@ -91,8 +45,8 @@ def test_grouped_gemm_of_a_rank_without_tokens_is_zero_on_torchao(rows, monkeypa
     def gemm(a, b, offs):
         return run_grouped_mm(decision.backend, a, b, offs, decision.recipe)
 
-    out, grad_A, grad_B_t, _ = _no_token_step(gemm, rows)
-    _assert_zero(out, grad_A, grad_B_t, rows)
+    out, grad_A, grad_B_t, _ = no_token_step(gemm, rows)
+    assert_zero(out, grad_A, grad_B_t, rows)
     assert any(received.values()) == (rows > 0)
 
 
@@ -133,7 +87,7 @@ def test_compiled_steps_with_and_without_tokens_compile_twice(name, arch):
         for eager, graph in zip(*results):
             assert torch.equal(eager, graph), rows
         if rows == 0:
-            _assert_zero(results[1][0], results[1][1], results[1][2].transpose(-2, -1), 0)
+            assert_zero(results[1][0], results[1][1], results[1][2].transpose(-2, -1), 0)
     # Compiled graphs kept for gemm (dynamo may trace a frame twice before keeping one).
     graphs = _debug_get_cache_entry_list(gemm.__code__)
     assert len(graphs) == 2, len(graphs)

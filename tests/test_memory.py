@@ -4,59 +4,12 @@ in one precision, FP8 where the backend's backward multiplies FP8 copies of them
 
 Single ops here (titan_primus.diagnostics.memory.saved.audit_layer: every backend, recipe, op, eager and compiled,
 with the weight as FSDP2 hands it over, bf16 or all-gathered in FP8); converted debug models under
-2-rank FSDP2 in test_memory_fsdp below. Primus-Turbo's own code: tests/real_turbo/test_memory.py."""
-
-import re
+2-rank FSDP2 in test_memory_fsdp below; the cases: tests/support/memory_audit.py. Primus-Turbo's own
+code: tests/real_turbo/test_checkpointing_and_memory_audit.py."""
 
 import pytest
-from support.doubles import torchao_grouped_kernels
+from support.memory_audit import NOT_RUN, audit_case, case_id, cases, fp8_gathered, kept_per_rank
 from support.ranks import torchrun_script
-
-import titan_primus as tp
-from titan_primus.fsdp_fp8 import fp8_all_gather_plan
-from titan_primus.diagnostics.memory.saved import AUDIT_SHAPES, audit_layer
-from titan_primus.recipes import RECIPE_NAMES
-
-COMPILED_RECIPES = ("tensorwise", "rowwise", "blockwise")  # compile time: the other recipes' paths are alike
-# TorchAO's grouped GEMM runs on a CPU as its own Python on CPU stand-ins for its Triton kernels
-# and torch._scaled_grouped_mm (tests/support/doubles/torchao_grouped_kernels.py), routed as on SM90.
-BACKENDS = (("emulated", "cpu", "cpu"), ("emulated", "gfx942", "gfx942"), ("torchao", "cpu", "sm90"))
-# What does not run, written here (not asked of the code under test): every other case runs.
-NOT_RUN = {
-    ("torchao", "linear", "blockwise"): "runs on NVIDIA SM90 only",  # F.scaled_mm blockwise: CUDA
-    ("torchao", "grouped_mm", "tensorwise"): "only the rowwise recipe",
-    ("torchao", "grouped_mm", "rowwise_with_gw_hp"): "only the rowwise recipe",
-    ("torchao", "grouped_mm", "mxfp8"): "need NVIDIA SM100",
-    ("torchao", "grouped_mm", "blockwise"): "DeepGEMM",
-    ("primus_turbo", "linear", "rowwise_with_gw_hp"): "no 'rowwise_with_gw_hp' recipe",
-    ("primus_turbo", "grouped_mm", "rowwise_with_gw_hp"): "no 'rowwise_with_gw_hp' recipe",
-}
-
-
-def fp8_gathered(backend: str, device: str, op: str, recipe: str) -> bool:
-    """Where FSDP2 all-gathers the weight in FP8 (elsewhere in bf16): tensorwise, and rowwise as
-    Primus-Turbo defines it (on MI300-class devices; exact: its backward re-quantizes the weight
-    from its forward FP8 copy); never into TorchAO's grouped GEMM, which quantizes B_t itself."""
-    if backend == "torchao" and op == "grouped_mm":
-        return False
-    return recipe == "tensorwise" or (device.startswith("gfx") and recipe == "rowwise")
-
-
-def cases(backends=BACKENDS):
-    for backend, linear_device, grouped_device in backends:
-        for op in ("linear", "grouped_mm"):
-            for recipe in RECIPE_NAMES:
-                for compiled in (False, True):
-                    if compiled and recipe not in COMPILED_RECIPES:
-                        continue
-                    for all_gather in (False, True):
-                        device = linear_device if op == "linear" else grouped_device
-                        yield backend, device, op, recipe, compiled, all_gather
-
-
-def _case_id(case):
-    backend, device, op, recipe, compiled, all_gather = case
-    return f"{backend}-{device}-{op}-{recipe}-{'compiled' if compiled else 'eager'}{'-fp8_all_gather' if all_gather else ''}"
 
 
 def test_every_case_not_listed_runs():
@@ -64,44 +17,9 @@ def test_every_case_not_listed_runs():
     assert len(ran) == 54, len(ran)  # of 96: 32 eager, 22 compiled; TorchAO grouped: eager and compiled
 
 
-@pytest.mark.parametrize("case", list(cases()), ids=_case_id)
+@pytest.mark.parametrize("case", list(cases()), ids=case_id)
 def test_no_weight_copy_outlives_the_forward(case, monkeypatch):
     audit_case(case, monkeypatch)
-
-
-def audit_case(case, monkeypatch):
-    """One audit case (also run on Primus-Turbo's own code by tests/real_turbo)."""
-    backend_name, device, op, recipe_name, compiled, all_gather = case
-    backend = tp.registry.get_backend(backend_name)
-    profile = tp.device_profile(device)
-    shape = AUDIT_SHAPES[op]
-    verdict = backend.availability(profile)
-    verdict = verdict and backend.supports(op, recipe_name, profile, k=shape.k, n=shape.n)
-    not_run = NOT_RUN.get((backend_name, op, recipe_name))
-    if not_run:
-        assert not verdict and not_run in verdict.reason, verdict
-        pytest.skip(verdict.reason)
-    assert verdict, verdict.reason
-    recipe = backend.recipe_for(recipe_name, profile)
-    plan, why = fp8_all_gather_plan(backend, recipe, op)
-    assert (plan is not None) == fp8_gathered(backend_name, device, op, recipe_name), why
-    if all_gather and plan is None:
-        pytest.skip(f"gathered in bf16: {why.reason}")
-    torchao_grouped = backend_name == "torchao" and op == "grouped_mm"
-    if torchao_grouped:
-        torchao_grouped_kernels.install(monkeypatch)
-    result = audit_layer(backend, recipe, shape, compiled, all_gather)
-    kept = result["kept"]
-    assert kept["weight_copy"] == 0, kept
-    # The parameter (FSDP-managed storage) may be kept, and nothing else of weight size.
-    assert kept["activation_fp8"] == 0 or kept["activation_hp"] == 0, kept  # one precision
-    if torchao_grouped:
-        # TorchAO keeps the routed tokens it is handed: the caller's, not a masked copy (w1 and
-        # w3 of a MoE block then share one), as in stock TorchTitan.
-        assert result["input_by_reference"] and kept["activation_hp"] == shape.rows * shape.k * 2, result
-    if backend_name == "primus_turbo" and recipe_name in ("tensorwise", "rowwise"):
-        # Its backward multiplies FP8 copies of the activations: those are what it keeps.
-        assert kept["activation_hp"] == 0 and kept["activation_fp8"] == shape.rows * shape.k, kept
 
 
 FSDP_CASES = [
@@ -110,19 +28,6 @@ FSDP_CASES = [
     ("deepseek_v3", "rowwise", "gfx942", "emulated", ("fp8_all_gather",)),
     ("llama3", "tensorwise", "cpu", "torchao", ("fp8_all_gather",)),
 ]
-KEPT = re.compile(
-    r"rank (\d+) kept after the forward, per rank: weight copies (\d+) B, FP8 activations (\d+) B, "
-    r"other activations (\d+) B, parameters and buffers (\d+) B; weights resharded: (True|False)"
-)
-
-
-def kept_per_rank(out: str) -> dict[int, tuple[int, int, int, int, bool]]:
-    """memory_fsdp.py's line of each rank: weight copies, FP8 activations, other activations,
-    parameters and buffers (bytes), and whether the blocks' weights are resharded; both ranks
-    must have reported."""
-    kept = {int(rank): (*map(int, sizes), resharded == "True") for rank, *sizes, resharded in KEPT.findall(out)}
-    assert sorted(kept) == [0, 1], out
-    return kept
 
 
 @pytest.mark.multiprocess

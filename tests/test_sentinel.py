@@ -14,6 +14,7 @@ from support import corrupt_backend
 import pytest
 import torch
 from torch._subclasses.fake_tensor import is_fake
+from support.sentinel_calls import checked_call, sentinel_inputs
 from support.titan_helpers import build, model_config
 
 import titan_primus as tp
@@ -190,34 +191,6 @@ BACKENDS = [
 ]
 
 
-def _inputs(op, generator):
-    if op == "linear":
-        x = torch.randn(64, 256, generator=generator).bfloat16()
-        weight = (torch.randn(128, 256, generator=generator) * 0.05).bfloat16()
-        return (
-            x,
-            weight,
-            torch.randn(128, generator=generator).bfloat16(),
-            torch.randn(64, 128, generator=generator).bfloat16(),
-        )
-    A = torch.randn(112, 256, generator=generator).bfloat16()  # 16 rows past offs[-1]
-    W = (torch.randn(3, 256, 256, generator=generator) * 0.05).bfloat16()
-    offs = torch.tensor([40, 40, 96], dtype=torch.int32)  # an empty expert
-    return A, W, offs, torch.randn(112, 256, generator=generator).bfloat16()
-
-
-def _checked_call(watched, op, recipe, inputs, weight=None):
-    first, W, third, grad = inputs
-    first = first.clone().requires_grad_()
-    weight = (W.clone() if weight is None else weight).requires_grad_()
-    if op == "linear":
-        out = watched.linear(first, weight, third, recipe)
-    else:
-        out = watched.grouped_mm(first, weight.transpose(-2, -1), third, recipe)
-    out.backward(grad)
-    return sentinel.active_sentinel().finish_step()
-
-
 @pytest.mark.parametrize("backend, device, ops", BACKENDS, ids=lambda v: str(v))
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_every_backend_here_passes_its_check(backend, device, ops, recipe):
@@ -229,7 +202,7 @@ def test_every_backend_here_passes_its_check(backend, device, ops, recipe):
     for op in ops:
         layer = active.register(f"layer.{op}", impl)
         active.begin_step(layer.index + 1)
-        report = _checked_call(WatchedBackend(active, layer), op, made, _inputs(op, generator))
+        report = checked_call(WatchedBackend(active, layer), op, made, sentinel_inputs(op, generator))
         assert report.checked_layer == layer.name and len(report.checks) == 1
         check = report.checks[0]
         assert check.passed, check.problems
@@ -247,14 +220,14 @@ def test_a_weight_fsdp2_gathered_in_fp8_is_checked_as_the_backend_took_it(backen
     made = impl.recipe_for("tensorwise", tp.device_profile("cpu"))
     plan, verdict = fp8_all_gather_plan(impl, made)
     assert plan is not None, verdict.reason
-    inputs = _inputs("linear", torch.Generator().manual_seed(2))
+    inputs = sentinel_inputs("linear", torch.Generator().manual_seed(2))
     weight = inputs[1]
     data, scale = quantize_weight(weight, plan, weight.abs().amax().float())
     gathered = impl.gathered_weight(data, scale, weight.dtype, made)
     active = sentinel.sentinel_for(SentinelOptions(1))
     layer = active.register("layer", impl)
     active.begin_step(1)
-    check = _checked_call(WatchedBackend(active, layer), "linear", made, inputs, gathered).checks[0]
+    check = checked_call(WatchedBackend(active, layer), "linear", made, inputs, gathered).checks[0]
     assert check.passed, check.problems
     assert check.bit_exact == (backend == "emulated")
 
@@ -321,7 +294,9 @@ def test_garbage_past_the_routed_rows_is_named(corrupted, tmp_path):
     layer = active.register("layers.1.moe.experts", corrupted)
     active.begin_step(1)
     made = corrupted.recipe_for("rowwise", tp.device_profile("cpu"))
-    report = _checked_call(WatchedBackend(active, layer), "grouped_mm", made, _inputs("grouped_mm", torch.Generator()))
+    report = checked_call(
+        WatchedBackend(active, layer), "grouped_mm", made, sentinel_inputs("grouped_mm", torch.Generator())
+    )
     assert "out is not bit-identical to the emulation (16 of 112 rows differ: rows 96, 97" in report.breaches[0]
     assert "16 of them past offs[-1] = 96, where it must be exactly zero" in report.breaches[0]
     assert [path.name for path in tmp_path.glob("*.pt")] == ["step0000001-rank0-layers.1.moe.experts-gemm1.pt"]
@@ -334,7 +309,7 @@ def test_a_capture_replays_on_every_backend_here(corrupted, tmp_path, capsys):
     layer = active.register("layers.3.feed_forward.w2", corrupted)
     active.begin_step(1)
     made = corrupted.recipe_for("rowwise", tp.device_profile("cpu"))
-    _checked_call(WatchedBackend(active, layer), "linear", made, _inputs("linear", torch.Generator()))
+    checked_call(WatchedBackend(active, layer), "linear", made, sentinel_inputs("linear", torch.Generator()))
     (path,) = tmp_path.glob("*.pt")
     code = cli.main(["parity", "--replay", str(path), "--json", str(tmp_path / "replay.json")])
     out = capsys.readouterr().out

@@ -13,9 +13,8 @@ import pytest
 import torch
 from support.closeness import assert_losses_within
 from support.ranks import ep_trainer_runs, every_rank, torchrun_script
-from test_converter import convert
 from support.repo_root import ROOT
-from support.titan_helpers import model_config, run_trainer
+from support.titan_helpers import convert, model_config, run_trainer
 from support.token_dispatch_cost import CASES, wgrad_losses
 from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
 from torchtitan.models.common.token_dispatcher import (

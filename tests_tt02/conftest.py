@@ -1,17 +1,10 @@
 """The TorchTitan 0.2.x suite: run it in .venv-tt02 (``make test-tt02``), never beside 0.3."""
 
 import os
-import sys
 from importlib.metadata import version
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-# This suite's helpers, then the main suite's support package and Primus-Turbo real-code harness
-# (tests/support, tests/real_turbo), until this suite moves under tests/: tests_tt02/ first, as
-# its test modules share names with tests/'s.
-sys.path[:0] = [str(Path(__file__).parent), str(ROOT / "tests")]
 
 # Third-party plugins installed on a developer machine must not change what the suite tests.
 os.environ.setdefault("TITAN_PRIMUS_DISABLE_PLUGIN_AUTOLOAD", "1")

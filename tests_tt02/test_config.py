@@ -6,15 +6,11 @@ import logging
 import pytest
 from torchtitan.config import ConfigManager
 from torchtitan.protocols.model_converter import _registry_model_converter_cls, build_model_converters
-from tt02_helpers import EXAMPLES, convert, meta_model, parallel_dims
+from tt02_helpers import EXAMPLES, convert, meta_model, parallel_dims, parse
 
 import titan_primus
 from titan_primus.conversion import ConversionOptions
 from titan_primus.torchtitan02 import CONVERTER_NAME, Float8Converter
-
-
-def parse(*args: str):
-    return ConfigManager().parse_args(["--job.config_file", str(EXAMPLES / "deepseek_v3_debug_fp8.toml"), *args])
 
 
 def test_core_and_config_registry_import_under_0_2():

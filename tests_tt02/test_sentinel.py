@@ -10,7 +10,7 @@ from support import corrupt_backend
 import pytest
 import torch
 from torchtitan.protocols.model_converter import build_model_converters
-from test_config import parse
+from tt02_helpers import parse
 from tt02_helpers import EXAMPLES, ROOT, convert, materialize, meta_model, parallel_dims, run_trainer, tokens
 
 from titan_primus import sentinel

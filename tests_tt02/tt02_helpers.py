@@ -100,3 +100,11 @@ def run_trainer(
         *extra,
     ]
     return torchrun_trainer(LAUNCHER_02, args, nproc=nproc, env=env, expect_failure=expect_failure, timeout=600)
+
+
+def parse(*args: str):
+    """The deepseek_v3 debug job's TOML (with titan-primus's converter) and ``args``, as
+    TorchTitan 0.2's ``ConfigManager`` parses them."""
+    from torchtitan.config import ConfigManager
+
+    return ConfigManager().parse_args(["--job.config_file", str(EXAMPLES / "deepseek_v3_debug_fp8.toml"), *args])

@@ -65,6 +65,19 @@ class _InertModule(types.ModuleType):
         return _Inert(name, (), {})
 
 
+class _SourceFinder(importlib.abc.MetaPathFinder):
+    """The package ``name`` from the folder ``source`` (a build's sources, not installed), and
+    nothing else from that folder; its submodules follow the package's ``__path__``."""
+
+    def __init__(self, name: str, source: Path):
+        self.name, self.source = name, str(source)
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        return importlib.machinery.PathFinder.find_spec(fullname, [self.source])
+
+
 class _InertFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def __init__(self, *roots: str):
         self.roots = roots
@@ -183,7 +196,7 @@ def load(source: Path, arch: str):
     _custom_ops_on_cpu()
     stand_ins.register(source.name)
     aiter_stand_in.install()
-    sys.path.insert(0, str(source))
+    sys.meta_path.insert(0, _SourceFinder("primus_turbo", source))
     import primus_turbo
     import primus_turbo.pytorch as turbo
 

@@ -16,7 +16,7 @@ TURBO, why_not = loader.from_environment()
 assert TURBO is not None, why_not
 
 from real_turbo.conftest import ARCH, BUILD, RECIPES  # noqa: E402
-from real_turbo.test_compile_and_memory import SavedTensors, _turbo_own  # noqa: E402
+from real_turbo.calls import SavedTensors, turbo_own  # noqa: E402
 
 # The tests' shapes, scaled up: x [1024, 1024] and weight [2048, 1024]; A [1024, 1024] in
 # three groups and B_t [3, 1024, 2048] (TorchTitan's view of [E, N, K] expert weights).
@@ -36,9 +36,6 @@ def measure(fn, inputs) -> tuple[int, int]:
 
 
 def main():
-    import real_turbo.test_compile_and_memory as memory
-
-    memory.OFFS = GROUP_ENDS
     print(
         f"Primus-Turbo {BUILD} on {ARCH}: bytes kept from forward to backward besides the weight itself "
         f"(weight-sized copies / activations, scales, offsets): Primus-Turbo's public op | titan-primus eager | compiled"
@@ -52,7 +49,11 @@ def main():
                 ours = lambda A, W: decision.backend.grouped_mm(A, W.transpose(-2, -1), GROUP_ENDS, decision.recipe)  # noqa: E731
             torch._dynamo.reset()
             compiled = torch.compile(ours, backend="aot_eager", fullgraph=True)
-            rows = [measure(_turbo_own(op, recipe), inputs), measure(ours, inputs), measure(compiled, inputs)]
+            rows = [
+                measure(turbo_own(op, recipe, GROUP_ENDS), inputs),
+                measure(ours, inputs),
+                measure(compiled, inputs),
+            ]
             print(f"| {op} | {recipe} | " + " | ".join(f"{copy:,} / {total:,}" for copy, total in rows) + " |")
 
 

@@ -5,7 +5,7 @@ opaque op around Primus-Turbo (backends/primus_turbo/attention_fp8.py) is it, bi
 import pytest
 import torch
 from support.closeness import assert_bitwise, assert_sqnr_at_least
-from test_attention_fp8_emulated import _grads
+from support.helpers import attention_grads
 
 from real_turbo.conftest import ARCH, TURBO
 from titan_primus.backends.emulated.attention import fp8_attention as emulated_fp8_attention
@@ -52,8 +52,8 @@ def _turbo_public(causal):
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_emulation_tracks_primus_turbo_kernel_within_measured_bounds(shape, causal, heavy_tailed):
     q, k, v, dout = _inputs(*shape, heavy_tailed)
-    turbo = _grads(_turbo_public(causal), q, k, v, dout)
-    emulated = _grads(
+    turbo = attention_grads(_turbo_public(causal), q, k, v, dout)
+    emulated = attention_grads(
         lambda *t: emulated_fp8_attention(*t, causal=causal, softmax_scale=None, fp8_dtype=FP8_DTYPE), q, k, v, dout
     )
     for name, a, b in zip(("out", "dq", "dk", "dv"), turbo, emulated):
@@ -69,13 +69,13 @@ def test_emulation_tracks_primus_turbo_kernel_within_measured_bounds(shape, caus
 @pytest.mark.parametrize("shape", [(2, 128, 4, 2, 64, 64), (2, 128, 4, 4, 192, 128)], ids=str)
 def test_opaque_op_is_flash_attn_fp8_func(shape, causal):
     q, k, v, dout = _inputs(*shape, heavy_tailed=False)
-    theirs = _grads(_turbo_public(causal), q, k, v, dout)
-    ours = _grads(lambda *t: turbo_fp8_attention(*t, causal=causal, softmax_scale=None), q, k, v, dout)
+    theirs = attention_grads(_turbo_public(causal), q, k, v, dout)
+    ours = attention_grads(lambda *t: turbo_fp8_attention(*t, causal=causal, softmax_scale=None), q, k, v, dout)
     for name, a, b in zip(("out", "dq", "dk", "dv"), theirs, ours):
         assert_bitwise(a, b, name)
     # bhsd memory (TorchTitan 0.2's views), which flash_attn_fp8_func itself would mis-permute.
     bhsd_memory = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)]
-    strided = _grads(lambda *t: turbo_fp8_attention(*t, causal=causal, softmax_scale=None), *bhsd_memory, dout)
+    strided = attention_grads(lambda *t: turbo_fp8_attention(*t, causal=causal, softmax_scale=None), *bhsd_memory, dout)
     for name, a, b in zip(("out", "dq", "dk", "dv"), theirs, strided):
         assert_bitwise(a, b, f"bhsd memory {name}")
 
@@ -86,9 +86,9 @@ def test_opaque_op_compiles_fullgraph_equal_to_eager():
     def fn(q, k, v):
         return turbo_fp8_attention(q, k, v, causal=True, softmax_scale=None)
 
-    eager = _grads(fn, q, k, v, dout)
+    eager = attention_grads(fn, q, k, v, dout)
     torch._dynamo.reset()
-    compiled = _grads(torch.compile(fn, fullgraph=True, backend="aot_eager"), q, k, v, dout)
+    compiled = attention_grads(torch.compile(fn, fullgraph=True, backend="aot_eager"), q, k, v, dout)
     for name, a, b in zip(("out", "dq", "dk", "dv"), eager, compiled):
         assert_bitwise(a, b, name)
 
@@ -99,24 +99,24 @@ def test_opaque_op_is_a_well_formed_custom_op(causal):
     outputs on a CPU: tests/test_custom_ops.py), and no output aliasing an input. Primus-Turbo's
     kernel hands back an output that requires grad (attention_triton_impl.py), which the fake did
     not: the op detaches it."""
-    from test_custom_ops import WITHOUT_FP8_ARITHMETIC, _no_output_aliases_an_input
+    from support.custom_ops import WITHOUT_FP8_ARITHMETIC, no_output_aliases_an_input
 
     from titan_primus.backends.primus_turbo.attention_fp8 import FORWARD_OP
 
     q, k, v, _ = _inputs(1, 128, 2, 1, 32, 32, heavy_tailed=False)
     args = tuple(t.requires_grad_() for t in (q, k, v)) + (causal, 0.125)
-    _no_output_aliases_an_input(FORWARD_OP, args)
+    no_output_aliases_an_input(FORWARD_OP, args)
     torch.library.opcheck(FORWARD_OP, args, test_utils=WITHOUT_FP8_ARITHMETIC)
 
 
 def test_every_primus_turbo_op_is_checked_on_its_own_code():
     """Primus-Turbo's ops of titan-primus: the attention forward above, the weight's backward
     operands (test_compile_and_memory.py); the mxfp8 ones need FlyDSL and HIP kernels (no CPU)."""
-    from test_custom_ops import _defined
+    from support.custom_ops import defined_ops
 
     checked = {"titan_primus::primus_turbo_fp8_attention_forward", "titan_primus::primus_turbo_weight_for_backward"}
     mxfp8 = {
         f"titan_primus::primus_turbo_mx_{name}"
         for name in ("linear", "linear_backward", "grouped_mm", "grouped_mm_backward")
     }
-    assert {name for name in _defined() if "primus_turbo" in name} == checked | mxfp8
+    assert {name for name in defined_ops() if "primus_turbo" in name} == checked | mxfp8

@@ -64,7 +64,7 @@ def test_fp8_attention_in_a_model_agrees_with_the_emulation():
     through the layers). Measured: logits 84.3 dB and the worst parameter gradient 35.1 dB (v0.4.0,
     gfx942; the perturbed emulation 62.5 / 31.2 dB), 75.3 / 32.7 dB (v0.4.1.dev26, gfx950; 67.1 /
     32.2 dB). Op by op the kernel and the emulation are 74 dB or closer at these head dims."""
-    from real_turbo.test_models import MARGIN_DB, PERTURBATION, _agreement, _step
+    from real_turbo.model_agreement import MARGIN_DB, PERTURBATION, agreement, step
     from support.titan_helpers import build, model_config, token_ids
 
     from titan_primus.torchtitan import Float8Converter
@@ -78,13 +78,13 @@ def test_fp8_attention_in_a_model_agrees_with_the_emulation():
         return build(config, seed=0)
 
     tokens = token_ids(1, 64, torch.Generator().manual_seed(0))
-    turbo, reference = _step(converted("primus_turbo"), tokens), _step(converted("emulated"), tokens)
+    turbo, reference = step(converted("primus_turbo"), tokens), step(converted("emulated"), tokens)
     perturbed_model = converted("emulated")
     with torch.no_grad():
         embeddings = perturbed_model.tok_embeddings.weight
         embeddings.mul_(1 + PERTURBATION * torch.randn(embeddings.shape, generator=torch.Generator().manual_seed(1)))
-    baseline = _agreement(reference, _step(perturbed_model, tokens))
-    measured = _agreement(reference, turbo)
+    baseline = agreement(reference, step(perturbed_model, tokens))
+    measured = agreement(reference, turbo)
     assert turbo[1].keys() == reference[1].keys()
     assert measured[0] >= baseline[0] - MARGIN_DB, (measured, baseline)
     assert measured[1] >= baseline[1] - MARGIN_DB, (measured, baseline)

@@ -7,13 +7,12 @@ import contextlib
 import sys
 
 import pytest
-import test_memory
-from test_activation_checkpointing import gemms_per_step
-from support.titan_helpers import model_config
+from support.memory_audit import audit_case, case_id, cases, kept_per_rank
+from support.titan_helpers import gemms_per_step, model_config
 
 import titan_primus as tp
 from real_turbo.conftest import ARCH, BUILD, NOT_RUN_HERE, one_arch
-from real_turbo.test_compile_and_memory import DISPATCHERS
+from real_turbo.calls import DISPATCHERS
 from titan_primus.diagnostics.memory.saved import AUDIT_SHAPES, audit_layer
 from titan_primus.torchtitan import Float8Converter, Fp8SelectiveAC
 
@@ -73,14 +72,12 @@ def test_selective_ac_runs_three_fp8_gemms_per_op(model, compiled):
     assert forward > 0 and plain == 3 * forward and fp8 == plain, (forward, plain, fp8)
 
 
-@pytest.mark.parametrize(
-    "case", list(test_memory.cases(backends=(("primus_turbo", ARCH, ARCH),))), ids=test_memory._case_id
-)
+@pytest.mark.parametrize("case", list(cases(backends=(("primus_turbo", ARCH, ARCH),))), ids=case_id)
 def test_no_weight_copy_outlives_the_forward(case, monkeypatch):
     recipe = case[3]
     if recipe in NOT_RUN_HERE:
         pytest.skip(NOT_RUN_HERE[recipe])
-    test_memory.audit_case(case, monkeypatch)
+    audit_case(case, monkeypatch)
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
@@ -104,5 +101,5 @@ def test_memory_under_fsdp2():
     # 320 tokens: fewer would be zero-padded to 256 rows for the dense wgrad, an activation shaped
     # like the debug model's [256, K] weights.
     out = torchrun_script("memory_fsdp.py", "deepseek_v3", "rowwise", ARCH, "primus_turbo", "seq=160")
-    for copies, fp8, _, _, resharded in test_memory.kept_per_rank(out).values():
+    for copies, fp8, _, _, resharded in kept_per_rank(out).values():
         assert resharded and copies == 0 and fp8 > 0, out

@@ -8,10 +8,8 @@ import pytest
 import torch
 
 import titan_primus as tp
-from real_turbo.conftest import ARCH, RECIPES, TURBO
-from real_turbo.calls import CudaLooking, grads, turbo_config
-from titan_primus.backends.primus_turbo.autograd import group_offsets
-from titan_primus.grouping import group_lens
+from real_turbo.conftest import ARCH, RECIPES
+from real_turbo.calls import DISPATCHERS, SavedTensors, grads, turbo_own
 
 FP8 = {torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2, torch.float8_e5m2fnuz}
 GEMMS = ("gemm_fp8_impl", "grouped_gemm_fp8_impl", "grouped_gemm_fp8_variable_k_impl")
@@ -38,15 +36,6 @@ def _inputs(op):
     if op == "linear":
         return torch.randn(64, 256, dtype=torch.bfloat16), torch.randn(512, 256, dtype=torch.bfloat16)
     return torch.randn(64, 256, dtype=torch.bfloat16), torch.randn(3, 512, 256, dtype=torch.bfloat16)
-
-
-DISPATCHERS = {  # module -> the dispatcher classes its GEMM custom ops run through
-    "primus_turbo.pytorch.kernels.gemm.gemm_fp8_impl": ("GEMMFP8KernelDispatcher",),
-    "primus_turbo.pytorch.kernels.grouped_gemm.grouped_gemm_fp8_impl": (
-        "GroupedGEMMFP8KernelDispatcher",
-        "GroupedGEMMFP8VariableKKernelDispatcher",
-    ),
-}
 
 
 def _gemm_launches(fn, *inputs, monkeypatch):
@@ -86,48 +75,6 @@ def test_compiled_equals_eager_with_three_gemms(op, recipe, monkeypatch):
     assert len(launches) == 3, launches
 
 
-class SavedTensors:
-    """What autograd keeps from forward to backward (``saved_tensors_hooks``)."""
-
-    def __init__(self):
-        self.saved = []
-
-    def __enter__(self):
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-        self.hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self.hooks.__exit__(*exc)
-
-    def _pack(self, t):
-        self.saved.append(t)
-        return t
-
-    def copies_of(self, weight) -> int:
-        """Bytes of saved tensors as large as ``weight`` (in elements) that are not its storage."""
-        storage = weight.untyped_storage().data_ptr()
-        return sum(
-            t.numel() * t.element_size()
-            for t in self.saved
-            if t.numel() >= weight.numel() and t.untyped_storage().data_ptr() != storage
-        )
-
-    def fp8_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.saved if t.element_size() == 1)
-
-
-def _turbo_own(op, recipe):
-    if op == "linear":
-        return lambda x, w: TURBO.ops.gemm_fp8(
-            x, w, trans_b=True, out_dtype=torch.bfloat16, config=turbo_config(recipe)
-        )
-    lens = group_lens(OFFS).as_subclass(CudaLooking)
-    return lambda A, W: TURBO.ops.grouped_gemm_fp8(
-        A, W, lens, group_offs=group_offsets(OFFS), trans_b=True, out_dtype=torch.bfloat16, config=turbo_config(recipe)
-    )
-
-
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("op", ["linear", "grouped_mm"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
@@ -147,7 +94,7 @@ def test_no_weight_copy_is_kept_for_backward(op, recipe, compiled):
     assert ours.fp8_bytes() >= x.numel()  # the activation's FP8 copy (and, blockwise, its scales)
     if not compiled:
         with SavedTensors() as theirs:
-            _turbo_own(op, recipe)(x, w)
+            turbo_own(op, recipe, OFFS)(x, w)
         assert theirs.copies_of(w) >= w.numel()  # what the adapter no longer keeps
 
 

@@ -4,7 +4,7 @@ without rows no quantizer and no kernel called (what its HIP kernels would do wi
 not known, so none is asked). The emulation's cases: tests/test_empty_experts.py."""
 
 import pytest
-from test_empty_experts import ALLOCATION_OPS, _assert_zero, _no_token_step
+from support.empty_experts import ALLOCATION_OPS, assert_zero, no_token_step
 
 import titan_primus as tp
 from real_turbo.conftest import ARCH, RECIPES
@@ -16,8 +16,8 @@ from titan_primus.ops import run_grouped_mm
 def test_grouped_gemm_of_a_rank_without_tokens_is_zero_on_primus_turbo(recipe, rows):
     made = tp.make_recipe(recipe, "primus_turbo", tp.device_profile(ARCH))
     turbo = tp.registry.get_backend("primus_turbo")
-    out, grad_A, grad_B_t, ops = _no_token_step(lambda a, b, o: run_grouped_mm(turbo, a, b, o, made), rows)
-    _assert_zero(out, grad_A, grad_B_t, rows)
+    out, grad_A, grad_B_t, ops = no_token_step(lambda a, b, o: run_grouped_mm(turbo, a, b, o, made), rows)
+    assert_zero(out, grad_A, grad_B_t, rows)
     if rows == 0:
         assert ops <= ALLOCATION_OPS, ops - ALLOCATION_OPS
     else:  # its own kernels ran, on the zeroed rows

@@ -5,8 +5,8 @@ on Primus-Turbo's own code."""
 import pytest
 import torch
 
-import test_failure_classes as classes
-import test_sentinel as sentinel_tests
+from support.failure_classes import FAILURE_CLASSES
+from support.sentinel_calls import checked_call, sentinel_inputs
 import titan_primus as tp
 from real_turbo.conftest import ARCH, BUILD
 from titan_primus import sentinel
@@ -16,15 +16,7 @@ RECIPES = ["tensorwise", "rowwise"]
 CASE = ("primus_turbo", ARCH)
 
 
-FAILURE_CLASSES = [
-    classes.test_linear_gradient_accumulation_equals_one_big_batch,
-    classes.test_grouped_gradient_accumulation_equals_one_big_batch,
-    classes.test_rows_past_the_routed_tokens_and_idle_experts_get_exact_zeros_after_any_routing,
-    classes.test_two_identical_steps_give_identical_results,
-]
-
-
-@pytest.mark.parametrize("failure_class", FAILURE_CLASSES, ids=lambda f: f.__name__.removeprefix("test_"))
+@pytest.mark.parametrize("failure_class", FAILURE_CLASSES, ids=lambda f: f.__name__)
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_failure_class(failure_class, recipe):
     failure_class(*CASE, recipe)
@@ -41,12 +33,12 @@ def test_the_sentinel_passes_primus_turbo(recipe):
     for op in ("linear", "grouped_mm"):
         layer = active.register(f"layer.{op}", impl)
         active.begin_step(layer.index + 1)
-        inputs = list(sentinel_tests._inputs(op, generator))
+        inputs = list(sentinel_inputs(op, generator))
         if op == "linear":  # N >= 256: Primus-Turbo's Triton kernels
             inputs[1] = (torch.randn(256, 256, generator=generator) * 0.05).bfloat16()
             inputs[2] = torch.randn(256, generator=generator).bfloat16()
             inputs[3] = torch.randn(64, 256, generator=generator).bfloat16()
-        report = sentinel_tests._checked_call(WatchedBackend(active, layer), op, made, inputs)
+        report = checked_call(WatchedBackend(active, layer), op, made, inputs)
         assert report.checked_layer == layer.name and len(report.checks) == 1
         assert report.checks[0].passed, report.checks[0].problems
 

@@ -248,6 +248,70 @@ def test_a_build_that_renamed_an_argument_titan_primus_passes_is_refused_at_load
         release._load()
 
 
+def test_a_build_that_renamed_a_function_or_added_a_required_argument_is_refused_at_load(monkeypatch):
+    """Issue 42's other simulated upgrades of a called function, on the real build: renamed (the
+    old name gone), or given a new argument without a default (the first call would raise inside a
+    training step). Each is refused when Primus-Turbo is loaded, naming the function, what changed,
+    titan-primus's file and the verified builds."""
+    import importlib
+
+    from titan_primus.backends.primus_turbo import release
+
+    quant = importlib.import_module(release.QUANT_MODULE)
+    real = quant.dequantize_fp8_rowwise_impl
+
+    def with_new_requirement(x, out_dtype, axis, scale_inv, round_mode):
+        return real(x, out_dtype, axis, scale_inv)
+
+    monkeypatch.setattr(quant, "dequantize_fp8_rowwise_impl", with_new_requirement)
+    with pytest.raises(
+        release.UnsupportedRelease,
+        match=r"dequantize_fp8_rowwise_impl requires round_mode, which titan-primus does not pass "
+        r"\(titan_primus/backends/primus_turbo/autograd\.py; verified at v0\.3\.1",
+    ):
+        release._load()
+    monkeypatch.setattr(quant, "dequantize_fp8_rowwise_impl", real)
+    monkeypatch.delattr(quant, "dequantize_fp8_rowwise_impl")
+    monkeypatch.setattr(quant, "dequantize_fp8_rowwise", real, raising=False)
+    with pytest.raises(
+        release.UnsupportedRelease, match=r"has no dequantize_fp8_rowwise_impl, which titan-primus calls"
+    ):
+        release._load()
+
+
+def test_a_quantizer_that_returns_another_number_of_values_stops_conversion(monkeypatch):
+    """Issue 42's return-arity change: a rowwise quantizer that returns a third value passes
+    every signature check; the numeric self-check calls it at conversion on the device it runs on
+    (here the profile an MI300's detection gives), which stops there, naming the op and the
+    error, before any training step."""
+    import functools
+    import importlib
+    from dataclasses import replace
+
+    import titan_primus.device
+    from titan_primus.backends.primus_turbo.release import QUANT_MODULE
+    from titan_primus.conversion import ConversionOptions, LayerRouter
+    from titan_primus.self_check import _PASSED, Fp8SelfCheckError
+
+    quant = importlib.import_module(QUANT_MODULE)
+    real = quant.quantize_fp8_rowwise_impl
+
+    @functools.wraps(real)  # the same signature: only what it returns changed
+    def three_values(**kwargs):
+        return (*real(**kwargs), None)
+
+    monkeypatch.setattr(quant, "quantize_fp8_rowwise_impl", three_values)
+    detected = replace(tp.device_profile(ARCH), detected=True)
+    monkeypatch.setattr(titan_primus.device, "detect_device", lambda index=None: detected)
+    _PASSED.clear()
+    router = LayerRouter(ConversionOptions(backend="primus_turbo", recipe="rowwise"))
+    with pytest.raises(
+        Fp8SelfCheckError, match=r"linear with rowwise .*raised on a tiny input at conversion: ValueError"
+    ):
+        router.decision("linear")
+    _PASSED.clear()
+
+
 def test_an_attention_op_that_renamed_an_argument_titan_primus_passes_is_refused_at_load(monkeypatch):
     """The attention ops are called by argument name too (attention_fp8.py, attention_bf16.py),
     their names checked at load with the GEMMs': an FP8 attention forward whose ``use_fp8`` was

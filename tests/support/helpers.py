@@ -22,6 +22,7 @@ from titan_primus.numerics import (
 
 __all__ = [
     "Hardware",
+    "attention_grads",
     "sgd_losses",
     "bars",
     "expert_parallel_sqnrs",
@@ -105,3 +106,12 @@ def sgd_losses(
         optimizer.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+def attention_grads(fn, q, k, v, dout):
+    """``fn(q, k, v)`` and, for the output gradient ``dout``, the gradients of q, k and v:
+    (out, dq, dk, dv)."""
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = fn(*leaves)
+    out.backward(dout.to(out.dtype))
+    return out.detach(), *(leaf.grad for leaf in leaves)

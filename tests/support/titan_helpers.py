@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from support.gemm_count import count_gemms
 from support.trainer_run import torchrun_trainer
 
 # The CPU launcher's attention swap (FlexAttention has no CPU backward), reused for models
@@ -105,3 +106,46 @@ def run_trainer(
         *extra,
     ]
     return torchrun_trainer(LAUNCHER, args, nproc=nproc, env=env, expect_failure=expect_failure, timeout=900)
+
+
+def convert(model="llama3", config=None, **options):
+    """``model``'s debug config (or ``config``) through ``Float8Converter.Config(**options)``:
+    (the converted config, the converter's report)."""
+    from titan_primus.torchtitan import Float8Converter
+
+    converter = Float8Converter.Config(**options).build()
+    return converter.convert(config or model_config(model)), converter.report
+
+
+def compile_blocks(model) -> None:
+    """Each block of ``model`` compiled as TorchTitan's trainer compiles it, on one rank."""
+    from torchtitan.config import CompileConfig
+    from torchtitan.distributed.compile import apply_compile
+    from torchtitan.distributed.parallel_dims import ParallelDims
+
+    torch._dynamo.reset()
+    single = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, world_size=1)
+    apply_compile(model, compile_config=CompileConfig(enable=True), parallel_dims=single)
+
+
+def gemms_per_step(config, ac, compiled: bool, ops, count=count_gemms, seq_len: int = 32) -> tuple[int, int]:
+    """(FP8 GEMMs in the forward, in forward + backward) of one training step of ``config``
+    built with activation checkpointing ``ac`` (a Config, or None); ``count(fn, ops, compiled)``
+    returns ``(fn(), GEMMs it ran)``."""
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC  # noqa: F401  (TorchTitan's)
+
+    model = build(config, seed=0)
+    if ac is not None:
+        ac.build().apply(model)
+    tokens = token_ids(2, seq_len, torch.Generator().manual_seed(3))
+
+    def step():
+        out, forward = count(lambda: model(tokens), ops, compiled)
+        _, backward = count(lambda: out.float().pow(2).mean().backward(), ops, compiled)
+        return forward, forward + backward
+
+    if compiled:
+        compile_blocks(model)
+        step()  # compiles (the counts of a step that compiles are not the kernels')
+        model.zero_grad(set_to_none=True)
+    return step()

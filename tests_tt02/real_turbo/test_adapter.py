@@ -5,7 +5,7 @@ backends that run in any process)."""
 import os
 
 import pytest
-import test_numerics as numerics
+import adapter_numerics as numerics
 import torchtitan.models.moe.utils as moe_utils
 from tt02_helpers import convert, meta_model
 
@@ -34,11 +34,11 @@ def test_routing_on_mi300_with_primus_turbo():
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_fp8_linear_matches_the_shared_op(recipe):
-    numerics.test_fp8_linear_matches_the_shared_op("primus_turbo", ARCH, recipe)
+    numerics.fp8_linear_matches_the_shared_op("primus_turbo", ARCH, recipe)
 
 
 @pytest.mark.parametrize("tokens", numerics.TOKENS_PER_EXPERT)
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_fp8_experts_match_the_shared_op(recipe, tokens):
     """On Primus-Turbo's own code too, a rank whose experts receive no token among them."""
-    numerics.test_fp8_experts_match_the_shared_op("primus_turbo", ARCH, recipe, pad_token_groups=False, tokens=tokens)
+    numerics.fp8_experts_match_the_shared_op("primus_turbo", ARCH, recipe, pad_token_groups=False, tokens=tokens)

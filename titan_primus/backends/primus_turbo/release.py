@@ -100,8 +100,8 @@ def _surface(enums: ModuleType, gemm_ops: ModuleType, grouped_impl) -> str:
 # The argument names titan-primus passes, by keyword, to each Primus-Turbo function or custom op,
 # with the titan-primus file that calls it; the same at every verified build. A build that renamed
 # or removed one is refused at load (Primus-Turbo imports every one of these modules with
-# ``primus_turbo.pytorch``), before any step, with the function and the names; one that adds an
-# argument with a default passes.
+# ``primus_turbo.pytorch``), before any step, with the function and the names, and so is one that
+# adds an argument without a default; one that adds an argument with a default passes.
 _AUTOGRAD = "titan_primus/backends/primus_turbo/autograd.py"
 _ATTENTION_FP8 = "titan_primus/backends/primus_turbo/attention_fp8.py"
 _ATTENTION_BF16 = "titan_primus/backends/primus_turbo/attention_bf16.py"
@@ -148,10 +148,17 @@ CALLED_BY_NAME = {
 }  # fmt: skip
 
 
-def _parameter_names(fn) -> set[str]:
-    """A custom op's schema arguments, or a plain function's parameters."""
+def _parameters(fn) -> dict[str, bool]:
+    """A custom op's schema arguments, or a plain function's parameters: {name: whether it must be
+    passed (no default)}."""
     op = getattr(fn, "_opoverload", None)
-    return {a.name for a in op._schema.arguments} if op is not None else set(inspect.signature(fn).parameters)
+    if op is not None:
+        return {a.name: not a.has_default_value() for a in op._schema.arguments}
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    return {
+        name: p.default is inspect.Parameter.empty and p.kind not in variadic
+        for name, p in inspect.signature(fn).parameters.items()
+    }
 
 
 def _check_called_by_name(modules: tuple[ModuleType, ...], version: str) -> None:
@@ -163,12 +170,19 @@ def _check_called_by_name(modules: tuple[ModuleType, ...], version: str) -> None
                 f"({caller}; verified at {', '.join(VERIFIED_BUILDS)}): "
                 f"use a verified build, or a titan-primus that supports this one"
             )
-        missing = [n for n in needed if n not in _parameter_names(fn)]
-        if missing:
+        parameters = _parameters(fn)
+        missing = [n for n in needed if n not in parameters]
+        # A new argument without a default would fail the first call, inside a training step.
+        unpassed = [n for n, required in parameters.items() if required and n not in needed]
+        if missing or unpassed:
+            what = (
+                f"takes no argument {', '.join(missing)}, which titan-primus passes by name"
+                if missing
+                else f"requires {', '.join(unpassed)}, which titan-primus does not pass"
+            )
             raise UnsupportedRelease(
-                f"Primus-Turbo {version}'s {name} takes no argument {', '.join(missing)}, which titan-primus "
-                f"passes by name ({caller}; verified at {', '.join(VERIFIED_BUILDS)}): use a verified build, "
-                f"or a titan-primus that supports this one"
+                f"Primus-Turbo {version}'s {name} {what} ({caller}; verified at {', '.join(VERIFIED_BUILDS)}): "
+                f"use a verified build, or a titan-primus that supports this one"
             )
 
 
