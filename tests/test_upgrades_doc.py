@@ -41,3 +41,39 @@ def test_every_private_torch_name_and_torchtitan_import_of_this_line_is_there():
         except (ImportError, AttributeError) as e:
             missing.append(f"{name}: {e}")
     assert not missing
+
+
+def test_doctor_checks_every_contract_against_what_is_installed_and_names_one_that_differs(monkeypatch):
+    """Issue 42: ``titan-primus doctor`` checks the whole table against the installed packages:
+    here every TorchAO, torch and TorchTitan 0.3 row is there (the 0.2.x line's rows are another
+    line's; Primus-Turbo is not loaded on a CPU); with a TorchAO symbol renamed away that row differs,
+    named with what was found, the file that uses it and the verified release, and doctor still
+    exits 0."""
+    import contextlib
+    import io
+    from collections import Counter
+
+    import torchao.float8.float8_ops as float8_ops
+
+    from titan_primus import cli, registry
+    from titan_primus.diagnostics.contracts import contract_states
+
+    states = contract_states()
+    assert len(states) == len(contracts())
+    by_upstream = {
+        upstream: Counter(s["state"] for s in states if s["upstream"] == upstream)
+        for upstream in ("Primus-Turbo", "TorchAO", "TorchTitan", "torch")
+    }
+    assert set(by_upstream["Primus-Turbo"]) == {"not loaded here"}, by_upstream
+    assert set(by_upstream["TorchAO"]) == {"ok"} and by_upstream["torch"]["differs"] == 0, by_upstream
+    assert {s["state"] for s in states if s["line"] == "v0_2"} == {"other line"}
+    assert {s["state"] for s in states if s["line"] == "v0_3"} <= {"ok", "absent (optional)"}
+
+    monkeypatch.delattr(float8_ops, "float8_mm")
+    registry.refresh()
+    (renamed,) = [s for s in contract_states() if s["state"] == "differs"]
+    assert renamed["symbol"] == "torchao.float8.float8_ops.float8_mm" and "float8_mm" in renamed["found"]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert cli.main(["doctor"]) == 0
+    assert "1 differs" in out.getvalue() and "titan_primus/backends/torchao/linear.py" in out.getvalue()

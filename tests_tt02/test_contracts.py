@@ -88,3 +88,14 @@ def test_every_torchtitan_import_of_the_0_2_line_is_there():
     for name, (_, optional) in imports.items():
         if not optional:
             resolve(name)
+
+
+def test_doctor_finds_every_contract_of_the_0_2_line_here():
+    """``titan-primus doctor``'s contract rows on TorchTitan 0.2.2: the 0.2 line's imports and
+    patches are there, the 0.3 line's are another line's."""
+    from titan_primus.diagnostics.contracts import contract_states
+
+    states = contract_states()
+    assert {s["state"] for s in states if s["line"] == "v0_2"} <= {"ok", "absent (optional)"}
+    assert {s["state"] for s in states if s["line"] == "v0_3"} == {"other line"}
+    assert not [s for s in states if s["state"] == "differs"]

@@ -274,9 +274,62 @@ def test_a_build_that_renamed_a_function_or_added_a_required_argument_is_refused
     monkeypatch.delattr(quant, "dequantize_fp8_rowwise_impl")
     monkeypatch.setattr(quant, "dequantize_fp8_rowwise", real, raising=False)
     with pytest.raises(
-        release.UnsupportedRelease, match=r"has no dequantize_fp8_rowwise_impl, which titan-primus calls"
+        release.UnsupportedRelease, match=r"dequantize_fp8_rowwise_impl is not there \(titan-primus calls it\)"
     ):
         release._load()
+
+
+def test_doctor_finds_every_primus_turbo_contract_of_this_build_and_names_one_that_differs(monkeypatch):
+    """``titan-primus doctor``'s contract rows on the real build: every function and op titan-primus
+    calls by name is there with its arguments; one whose argument was renamed differs, named."""
+    from titan_primus.backends.primus_turbo import release
+    from titan_primus.diagnostics.contracts import contract_states
+
+    def turbo_rows():
+        return {s["symbol"]: s for s in contract_states() if s["upstream"] == "Primus-Turbo"}
+
+    rows = turbo_rows()
+    assert set(rows) == set(release.CALLED_BY_NAME) and {r["state"] for r in rows.values()} == {"ok"}, rows
+    quant = importlib.import_module(release.QUANT_MODULE)
+    real = quant.dequantize_fp8_rowwise_impl
+
+    def without_axis(x, out_dtype, scale_inv):
+        return real(x, out_dtype, -1, scale_inv)
+
+    monkeypatch.setattr(quant, "dequantize_fp8_rowwise_impl", without_axis)
+    row = turbo_rows()["dequantize_fp8_rowwise_impl"]
+    assert row["state"] == "differs" and "takes no argument axis" in row["found"], row
+
+
+def test_a_build_newer_than_every_verified_one_is_named_so_and_runs_where_its_checks_pass(monkeypatch, caplog):
+    """Issue 42: this build's own code reported as a newer release (0.9.0): loading it warns in
+    the log of the conversion that loads it, and doctor names it, as newer than the newest
+    verified build; it loads (every call it takes matches) and converts (its kernels pass the
+    numeric self-check)."""
+    import primus_turbo
+
+    from titan_primus.backends.primus_turbo import release
+    from titan_primus.conversion import ConversionOptions, LayerRouter
+    from titan_primus.diagnostics.environment import diagnose
+    from titan_primus.self_check import _PASSED
+
+    named = "0.9.0 (newer than the newest verified build v0.4.1.dev26: used only where its calls match"
+    monkeypatch.setattr(primus_turbo, "__version__", "0.9.0")
+    tp.registry.refresh()
+    release.forget_api()
+    _PASSED.clear()
+    try:
+        with caplog.at_level("WARNING", logger="titan_primus"):
+            router = LayerRouter(ConversionOptions(backend="primus_turbo", recipe="rowwise", device=ARCH))
+            assert router.decision("linear").backend_name == "primus_turbo"
+        assert f"titan-primus: Primus-Turbo {named}" in caplog.text
+        (row,) = [b for b in diagnose(device=ARCH)["backends"] if b["name"] == "primus_turbo"]
+        assert f"Primus-Turbo {named}" in row["reason"], row
+    finally:
+        monkeypatch.undo()
+        release.forget_api()
+        tp.registry.refresh()
+        _PASSED.clear()
 
 
 def test_a_quantizer_that_returns_another_number_of_values_stops_conversion(monkeypatch):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections import Counter
 
 from ..backends.primus_turbo.release import describe_build
 from ..device import known_profiles
@@ -47,6 +48,7 @@ _SEAM_COLUMNS = (
     ("why patched", lambda s: s["why"]),
 )
 _KERNEL_CHECK_COLUMNS = fields("op", "recipe", "backend", "status", "result")
+_CONTRACT_COLUMNS = fields("upstream", "symbol", "found", "used_by", "verified")
 
 
 def _version_rows(diagnosis: dict) -> list[list[str]]:
@@ -116,6 +118,11 @@ def render(diagnosis: dict) -> str:
     if diagnosis["torchtitan_seams"]:
         lines += ["", "TorchTitan internals titan-primus patches (each line's seams.py), and whether each is there:"]
         lines.append(column_table(_SEAM_COLUMNS, diagnosis["torchtitan_seams"]))
+    states = Counter(c["state"] for c in diagnosis["contracts"])
+    lines += ["", "upstream contracts (docs/upgrades.md) against what is installed here: "]
+    lines[-1] += ", ".join(f"{n} {state}" for state, n in sorted(states.items()))
+    if states["differs"]:
+        lines.append(column_table(_CONTRACT_COLUMNS, [c for c in diagnosis["contracts"] if c["state"] == "differs"]))
     if "kernel_checks" in diagnosis:
         lines += ["", "numeric self-check of each routed op against the emulation of its definition (--check-kernels):"]
         lines.append(column_table(_KERNEL_CHECK_COLUMNS, diagnosis["kernel_checks"]))

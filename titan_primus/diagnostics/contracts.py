@@ -11,11 +11,22 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
 import re
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from functools import cache
 from pathlib import Path
 
-__all__ = ["Contract", "contracts", "private_uses", "render_table", "resolve", "torchtitan_imports", "write_table"]
+__all__ = [
+    "Contract",
+    "contract_states",
+    "contracts",
+    "private_uses",
+    "render_table",
+    "resolve",
+    "torchtitan_imports",
+    "write_table",
+]
 
 _PACKAGE = Path(__file__).resolve().parents[1]
 TORCH_VERIFIED = "torch 2.14.1 (the suite resolves each name on every stack it runs)"
@@ -31,6 +42,10 @@ class Contract:
     needs: str
     used_by: str
     verified: str
+    line: str = ""
+    """A TorchTitan line's package (``v0_3``, ...) for what only that line uses."""
+    optional: bool = False
+    """Used only where it is there (probed first)."""
 
 
 def contracts() -> list[Contract]:
@@ -70,6 +85,8 @@ def contracts() -> list[Contract]:
                 "imported where its module is there (probed first)" if optional else "imported",
                 ", ".join(files),
                 "TorchTitan main, 2026-08-21 (the canary)" if optional else seams.VERIFIED.removeprefix("torchtitan "),
+                line=package,
+                optional=optional,
             )
             for name, (files, optional) in torchtitan_imports(package).items()
         ]
@@ -80,6 +97,7 @@ def contracts() -> list[Contract]:
                 f"patched ({seam.name}): {seam.why}",
                 f"titan_primus/integrations/torchtitan/{package}/seams.py",
                 seam.verified,
+                line=package,
             )
             for seam in seams.SEAMS
         ]
@@ -95,6 +113,7 @@ def _files(root: Path):
         yield path.relative_to(_PACKAGE.parent).as_posix(), ast.parse(path.read_text())
 
 
+@cache  # the package's own sources: the same for the whole process
 def torchtitan_imports(package: str) -> dict[str, tuple[list[str], bool]]:
     """``module.name`` of everything the line ``package`` (``v0_3``, ...) imports from TorchTitan:
     the files that import it, and whether it is optional (its module is probed with
@@ -165,6 +184,7 @@ def _dotted(node, aliases: dict[str, str]) -> str | None:
     return None
 
 
+@cache
 def private_uses() -> dict[str, list[str]]:
     """Every private torch name (a part starting with one underscore) the package uses, with the
     files that use it."""
@@ -194,6 +214,55 @@ def resolve(name: str):
             found = getattr(found, part)
         return found
     raise ImportError(f"no module of {name!r} imports")
+
+
+# The module whose absence means an upstream is not installed here.
+_INSTALLED_AS = {"TorchAO": "torchao", "TorchTitan": "torchtitan", "torch": "torch"}
+
+
+def _problem(contract: Contract) -> str | None:
+    """How the installed upstream differs from what ``contract`` needs, or None."""
+    if contract.upstream == "Primus-Turbo":
+        from ..backends.primus_turbo import release
+
+        return release.called_by_name_problem(contract.symbol, release.called_modules())
+    errors = []
+    for alternative in contract.symbol.split(" or "):
+        try:
+            resolve(alternative)
+            return None
+        except Exception as e:  # an import can fail on the upstream's own dependencies too
+            errors.append(f"{alternative}: {type(e).__name__}: {e}")
+    return "; ".join(errors)
+
+
+def contract_states() -> list[dict]:
+    """Every contract, checked against the installed packages (``titan-primus doctor``): its row
+    with ``state`` "ok", "differs" (``found`` says how), "not installed", "not loaded here"
+    (Primus-Turbo, which is imported only past the hardware check: on an MI300-class GPU, or
+    from its sources in the real-code tier), "other line" (a TorchTitan line that is not the
+    installed one) or "absent (optional)". Imports what it checks; never raises."""
+    from ..backends.primus_turbo import release
+    from ..integrations.torchtitan import installed_line
+
+    _, line = installed_line()
+    states = []
+    for contract in contracts():
+        found = None
+        if contract.upstream == "Primus-Turbo" and not release.imported():
+            state = "not loaded here"
+        elif contract.upstream != "Primus-Turbo" and importlib.util.find_spec(_INSTALLED_AS[contract.upstream]) is None:
+            state = "not installed"
+        elif contract.line and contract.line != line:
+            state = "other line"
+        else:
+            try:
+                found = _problem(contract)
+            except Exception as e:
+                found = f"checking it failed: {type(e).__name__}: {e}"
+            state = "ok" if found is None else "absent (optional)" if contract.optional else "differs"
+        states.append({**asdict(contract), "state": state, "found": found})
+    return states
 
 
 def render_table(rows: list[Contract]) -> str:

@@ -20,6 +20,7 @@ from ..device import DeviceProfile, detect_device, device_profile
 from ..recipes import RECIPE_NAMES
 from ..routing import BackendUnavailableError, select_backend
 from ..self_check import Fp8SelfCheckError, self_check
+from .contracts import contract_states
 from .results import SCHEMA_VERSION
 
 __all__ = [
@@ -237,6 +238,8 @@ def diagnose(device: str | None = None, check_kernels: bool = False) -> dict:
         "routing": _routing(profile),
         "attention": _attention(profile),
         "torchtitan_seams": torchtitan_seams(),
+        # Every upstream symbol titan-primus declares, checked against what is installed here.
+        "contracts": contract_states(),
     }
     if check_kernels:
         result["kernel_checks"] = kernel_checks(profile, result["routing"])

@@ -10,7 +10,7 @@ from types import ModuleType
 
 import torch
 
-__all__ = ["SURFACES", "TurboApi", "describe_build"]
+__all__ = ["SURFACES", "VERIFIED_BUILDS", "TurboApi", "describe_build", "newer_than_verified"]
 
 SURFACES = ("v0.3.1", "v0.3.2.dev48")
 
@@ -21,19 +21,45 @@ _KNOWN_BUILDS = {
 }
 
 
+# The builds whose own code the tier runs (tests/real_turbo), oldest first.
+VERIFIED_BUILDS = ("v0.3.1", "v0.3.2.dev48", "v0.4.0", "v0.4.1.dev26")
+_VERSION = re.compile(r"(\d+)\.(\d+)\.(\d+)(?:\.dev(\d+))?(?:\+.*)?")
+
+
+def _order(version: str) -> tuple[int, ...] | None:
+    """A sort key of ``version`` (``X.Y.Z`` or ``X.Y.Z.devN``: a dev build comes before its
+    release), or None for another form."""
+    match = _VERSION.fullmatch(version.removeprefix("v"))
+    if not match:
+        return None
+    major, minor, patch, dev = match.groups()
+    return int(major), int(minor), int(patch), 0 if dev else 1, int(dev or 0)
+
+
+def newer_than_verified(version: str) -> bool:
+    """``version`` is a release or dev build after the newest verified build."""
+    order = _order(version)
+    return order is not None and order > _order(VERIFIED_BUILDS[-1])
+
+
 def describe_build(version: str) -> str:
     """A build's version as a person reads it: setuptools-scm names a build N commits past tag
     vX.Y.Z as X.Y.(Z+1).devN; ``0.3.2.dev48`` -> ``0.3.2.dev48 (v0.3.1 + 48 commits, AMD
-    rocm/primus v26.5)``."""
-    match = re.fullmatch(r"(\d+)\.(\d+)\.(\d+)\.dev(\d+)(?:\+.*)?", version)
-    if not match:
-        return version
-    major, minor, patch, commits = (int(g) for g in match.groups())
-    base = f"v{major}.{minor}.{patch - 1}" if patch else f"the last tag before {major}.{minor}.0"
-    notes = [f"{base} + {commits} commits"]
+    rocm/primus v26.5)``; a build newer than every verified one says so."""
+    notes = []
+    match = _VERSION.fullmatch(version)
+    if match and match[4] is not None:
+        major, minor, patch, commits = (int(g) for g in match.groups())
+        base = f"v{major}.{minor}.{patch - 1}" if patch else f"the last tag before {major}.{minor}.0"
+        notes.append(f"{base} + {commits} commits")
     if version.split("+")[0] in _KNOWN_BUILDS:
         notes.append(_KNOWN_BUILDS[version.split("+")[0]])
-    return f"{version} ({', '.join(notes)})"
+    if newer_than_verified(version):
+        notes.append(
+            f"newer than the newest verified build {VERIFIED_BUILDS[-1]}: used only where its calls match "
+            f"titan-primus's, checked at load, and its kernels pass the numeric self-check at conversion"
+        )
+    return f"{version} ({', '.join(notes)})" if notes else version
 
 
 @dataclass(frozen=True)

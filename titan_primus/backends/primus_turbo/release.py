@@ -26,18 +26,23 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import logging
 import sys
 from dataclasses import replace
 from types import ModuleType
 
-from .api import SURFACES, TurboApi, describe_build
+from .api import SURFACES, VERIFIED_BUILDS, TurboApi, describe_build, newer_than_verified
 from .rules import min_token_rows
+
+logger = logging.getLogger("titan_primus")
 
 __all__ = [
     "SURFACES",
     "TurboApi",
     "UnsupportedRelease",
     "api_loaded",
+    "called_by_name_problem",
+    "called_modules",
     "forget_api",
     "imported",
     "load_api",
@@ -46,8 +51,6 @@ __all__ = [
 ]
 
 OLDEST = SURFACES[0]
-# The builds whose own code the tier runs (tests/real_turbo), named in the refusals below.
-VERIFIED_BUILDS = ("v0.3.1", "v0.3.2.dev48", "v0.4.0", "v0.4.1.dev26")
 INSTALL_HINT = "build it from source against ROCm (github.com/AMD-AGI/Primus-Turbo)"
 
 CONFIG_MODULE = "primus_turbo.pytorch.core.low_precision"
@@ -161,27 +164,36 @@ def _parameters(fn) -> dict[str, bool]:
     }
 
 
+def called_modules() -> tuple[ModuleType, ...]:
+    """The Primus-Turbo modules holding the functions and ops of :data:`CALLED_BY_NAME`."""
+    names = (GEMM_IMPL_MODULE, GROUPED_IMPL_MODULE, QUANT_MODULE, *ATTENTION_IMPL_MODULES)
+    return tuple(importlib.import_module(name) for name in names)
+
+
+def called_by_name_problem(name: str, modules: tuple[ModuleType, ...]) -> str | None:
+    """How Primus-Turbo's ``name`` (in ``modules``) differs from the way titan-primus calls it, or
+    None: gone, without an argument titan-primus passes by name, or with a new one it must be
+    given (the first call would fail inside a training step)."""
+    _, needed = CALLED_BY_NAME[name]
+    fn = next((getattr(m, name) for m in modules if hasattr(m, name)), None)
+    if fn is None:
+        return f"{name} is not there (titan-primus calls it)"
+    parameters = _parameters(fn)
+    missing = [n for n in needed if n not in parameters]
+    if missing:
+        return f"{name} takes no argument {', '.join(missing)}, which titan-primus passes by name"
+    unpassed = [n for n, required in parameters.items() if required and n not in needed]
+    if unpassed:
+        return f"{name} requires {', '.join(unpassed)}, which titan-primus does not pass"
+    return None
+
+
 def _check_called_by_name(modules: tuple[ModuleType, ...], version: str) -> None:
-    for name, (caller, needed) in CALLED_BY_NAME.items():
-        fn = next((getattr(m, name) for m in modules if hasattr(m, name)), None)
-        if fn is None:
+    for name, (caller, _) in CALLED_BY_NAME.items():
+        problem = called_by_name_problem(name, modules)
+        if problem:
             raise UnsupportedRelease(
-                f"Primus-Turbo {version} has no {name}, which titan-primus calls "
-                f"({caller}; verified at {', '.join(VERIFIED_BUILDS)}): "
-                f"use a verified build, or a titan-primus that supports this one"
-            )
-        parameters = _parameters(fn)
-        missing = [n for n in needed if n not in parameters]
-        # A new argument without a default would fail the first call, inside a training step.
-        unpassed = [n for n, required in parameters.items() if required and n not in needed]
-        if missing or unpassed:
-            what = (
-                f"takes no argument {', '.join(missing)}, which titan-primus passes by name"
-                if missing
-                else f"requires {', '.join(unpassed)}, which titan-primus does not pass"
-            )
-            raise UnsupportedRelease(
-                f"Primus-Turbo {version}'s {name} {what} ({caller}; verified at {', '.join(VERIFIED_BUILDS)}): "
+                f"Primus-Turbo {version}: {problem} ({caller}; verified at {', '.join(VERIFIED_BUILDS)}): "
                 f"use a verified build, or a titan-primus that supports this one"
             )
 
@@ -214,15 +226,9 @@ def _load() -> TurboApi:
     grouped_impl = importlib.import_module(GROUPED_IMPL_MODULE)
     surface = _surface(enums, importlib.import_module(GEMM_OPS_MODULE), grouped_impl.grouped_gemm_fp8_impl)
     version = str(getattr(importlib.import_module("primus_turbo"), "__version__", "unknown"))
-    _check_called_by_name(
-        (
-            importlib.import_module(GEMM_IMPL_MODULE),
-            grouped_impl,
-            importlib.import_module(QUANT_MODULE),
-            *(importlib.import_module(m) for m in ATTENTION_IMPL_MODULES),
-        ),
-        version,
-    )
+    _check_called_by_name(called_modules(), version)
+    if newer_than_verified(version):  # once per load, in the log of the conversion that loads it
+        logger.warning("titan-primus: Primus-Turbo %s", describe_build(version))
     api = TurboApi(
         surface=surface,
         version=version,
