@@ -20,7 +20,7 @@ from .fsdp_fp8 import fp8_all_gather_plan
 from .recipes import check_recipe_name
 from .registry import backends, get_backend
 from .routing import BackendUnavailableError, RoutingDecision, preferred_backend, select_backend
-from .self_check import self_check
+from .self_check import attention_self_check, self_check
 from .sentinel.options import SentinelOptions, sentinel_options
 
 __all__ = [
@@ -406,6 +406,9 @@ class LayerRouter:
         )
         if opts.strict and opts.attention and route.backend is None and self.device.mi300_class:
             raise BackendUnavailableError(f"strict=True: attention at {fqn} cannot run on Primus-Turbo: {route.reason}")
+        figures = attention_self_check(route, self.device)
+        if figures and not any((r.backend, r.fp8) == (route.backend, route.fp8) for r in self.report.attention):
+            logger.info("titan-primus: %s attention self-check %s", route.backend, figures)
         self.report.attention.append(route)
         return route
 

@@ -202,3 +202,39 @@ def test_the_route_adds_no_host_sync_per_layer_and_the_varlen_masks_one_per_sequ
         routed(tokens, attention_masks=masks, positions=positions).float().sum().backward()
 
     assert _syncs(step) == 0
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_the_attention_self_check_passes_the_kernels_and_stops_conversion_on_a_changed_one(fp8, monkeypatch):
+    """Issue 42's numeric self-check, for attention routed to Primus-Turbo: conversion runs the
+    route's kernels once on a tiny causal input, forward and backward, against the emulation of
+    FP8 attention's definition (at the bounds the tier measures) or fp32 SDPA (bf16, at the tier's
+    40 dB floor): the real kernels pass; one that changed its numbers under an unchanged signature
+    (the bf16 backward fed an LSE one off, the FP8 forward a softmax scale 10% off) stops
+    conversion, naming the tensor and the figures, before the first step."""
+    import time
+
+    from titan_primus.attention import AttentionSite
+    from titan_primus.conversion import ConversionOptions, LayerRouter
+    from titan_primus.self_check import _PASSED, Fp8SelfCheckError
+
+    options = ConversionOptions(backend="primus_turbo", device=ARCH, attention=not fp8, fp8_attention=fp8)
+    site = AttentionSite(causal=True, head_dims=(64, 64))
+    _PASSED.clear()
+    started = time.perf_counter()
+    route = LayerRouter(options).attention("layers.0.attention.inner_attention", site)
+    assert (route.backend, route.fp8) == ("primus_turbo", fp8), route
+    (figures,) = _PASSED.values()
+    print(f"attention self-check {BUILD} {ARCH} fp8={fp8}: {time.perf_counter() - started:.2f} s, {figures}")
+    assert figures.startswith("against fp32 SDPA" if not fp8 else "against the emulated definition"), figures
+    turbo_ops = torch.ops.primus_turbo
+    if fp8:
+        changed = ("attention_triton_forward_impl", {"softmax_scale": lambda s: s * 1.1})
+    else:
+        changed = ("attention_aiter_varlen_backward_impl", {"softmax_lse": lambda t: t + 1})
+    monkeypatch.setattr(turbo_ops, changed[0], _corrupting(getattr(turbo_ops, changed[0]), **changed[1]))
+    _PASSED.clear()
+    wrong = "out" if fp8 else "dq"
+    with pytest.raises(Fp8SelfCheckError, match=rf"primus_turbo's {'FP8' if fp8 else 'bf16'} attention .*{wrong} SQNR"):
+        LayerRouter(options).attention("layers.0.attention.inner_attention", site)
+    _PASSED.clear()

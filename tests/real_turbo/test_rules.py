@@ -365,14 +365,18 @@ def test_a_quantizer_that_returns_another_number_of_values_stops_conversion(monk
     _PASSED.clear()
 
 
-def test_an_attention_op_that_renamed_an_argument_titan_primus_passes_is_refused_at_load(monkeypatch):
+def test_an_attention_op_that_renamed_an_argument_refuses_that_attention_only(monkeypatch):
     """The attention ops are called by argument name too (attention_fp8.py, attention_bf16.py),
-    their names checked at load with the GEMMs': an FP8 attention forward whose ``use_fp8`` was
-    renamed is refused there, naming the op, the argument and the titan-primus file."""
-    import importlib
+    their names checked at load with the GEMMs'. A change in an op that is not routed changes
+    nothing: an FP8 attention forward whose ``use_fp8`` was renamed leaves the build loaded, the
+    GEMMs and bf16 attention routed; FP8 attention is refused at routing, naming the op, the
+    argument and the titan-primus file, and doctor's contract row for it differs."""
     import inspect
 
+    from titan_primus.attention import AttentionSite
     from titan_primus.backends.primus_turbo import release
+    from titan_primus.conversion import ConversionOptions, LayerRouter
+    from titan_primus.diagnostics.contracts import contract_states
 
     triton_impl = importlib.import_module(release.ATTENTION_IMPL_MODULES[0])
     real = triton_impl.attention_triton_forward_impl
@@ -386,10 +390,49 @@ def test_an_attention_op_that_renamed_an_argument_titan_primus_passes_is_refused
         [inspect.Parameter("fp8" if n == "use_fp8" else n, inspect.Parameter.KEYWORD_ONLY) for n in names]
     )
     monkeypatch.setattr(triton_impl, "attention_triton_forward_impl", renamed)
-    with pytest.raises(
-        release.UnsupportedRelease, match=r"attention_triton_forward_impl takes no argument use_fp8.*attention_fp8\.py"
-    ):
-        release._load()
+    release.forget_api()
+    try:
+        router = LayerRouter(
+            ConversionOptions(backend="primus_turbo", recipe="rowwise", device=ARCH, attention=True, fp8_attention=True)
+        )
+        assert router.decision("linear").backend_name == "primus_turbo"
+        route = router.attention("layers.0.attention.inner_attention", AttentionSite(causal=True, head_dims=(64, 64)))
+        assert (route.backend, route.fp8) == ("primus_turbo", False), route
+        assert "FP8 attention refused" in route.reason and "attention_fp8.py" in route.reason, route.reason
+        assert "attention_triton_forward_impl takes no argument use_fp8" in route.reason, route.reason
+        (row,) = [c for c in contract_states() if c["symbol"] == "attention_triton_forward_impl"]
+        assert row["state"] == "differs" and "use_fp8" in row["found"], row
+    finally:
+        monkeypatch.undo()
+        release.forget_api()
+
+
+def test_a_public_op_mxfp8_calls_that_renamed_an_argument_refuses_mxfp8_only(monkeypatch):
+    """mxfp8 runs Primus-Turbo's public ``gemm_fp8`` (mx.py), checked at load with the rest: one
+    whose ``config`` was renamed refuses mxfp8, naming the op, the argument and mx.py; the other
+    recipes, which never call it, route as before."""
+    import inspect
+
+    from titan_primus.backends.primus_turbo import release
+
+    ops = importlib.import_module(release.PUBLIC_OPS_MODULE)
+    real = ops.gemm_fp8
+
+    def renamed(a, b, trans_a=False, trans_b=False, out_dtype=None, quant_config=None):
+        return real(a=a, b=b, trans_a=trans_a, trans_b=trans_b, out_dtype=out_dtype, config=quant_config)
+
+    assert "config" in inspect.signature(real).parameters
+    monkeypatch.setattr(ops, "gemm_fp8", renamed)
+    release.forget_api()
+    try:
+        backend, profile = tp.registry.get_backend("primus_turbo"), tp.device_profile(ARCH)
+        refused = backend.supports("linear", "mxfp8", profile, k=256, n=256)
+        assert not refused and "gemm_fp8 takes no argument config" in refused.reason, refused.reason
+        assert "mx.py" in refused.reason, refused.reason
+        assert backend.supports("linear", "rowwise", profile, k=256, n=256)
+    finally:
+        monkeypatch.undo()
+        release.forget_api()
 
 
 @pytest.mark.parametrize("op", ["linear", "grouped_mm"])
@@ -429,3 +472,60 @@ def test_the_conversion_self_check_passes_the_real_kernels_and_refuses_a_transpo
     ):
         route("blockwise")
     _PASSED.clear()
+
+
+_OTHER_FP8 = {torch.float8_e4m3fnuz: torch.float8_e4m3fn, torch.float8_e4m3fn: torch.float8_e4m3fnuz}
+
+
+@pytest.mark.parametrize("change", ["fp32 GEMM output", "other FP8 format"])
+def test_an_output_dtype_change(change, monkeypatch):
+    """Issue 42's output dtype change, two ways, each passing every signature check. Primus-Turbo's
+    dense FP8 GEMM returning fp32 where bf16 was asked for is harmless: titan-primus casts a
+    linear's output to the input's dtype, so conversion passes and the numbers are the same. Its
+    rowwise quantizer writing the other e4m3 format (FNUZ codes read as OCP, or back: every value
+    2x off) is refused by the GEMMs it feeds, which the numeric self-check calls at conversion on
+    the device it runs on (here the profile an MI300's detection gives): conversion stops there."""
+    import functools
+    from dataclasses import replace
+
+    import titan_primus.device
+    from titan_primus.backends.primus_turbo import release
+    from titan_primus.conversion import ConversionOptions, LayerRouter
+    from titan_primus.self_check import _PASSED, Fp8SelfCheckError
+
+    if change == "fp32 GEMM output":
+        module, name = importlib.import_module(release.GEMM_IMPL_MODULE), "gemm_fp8_impl"
+        real = module.gemm_fp8_impl
+
+        def changed(**kwargs):
+            return real(**kwargs).float()
+
+    else:
+        module, name = importlib.import_module(release.QUANT_MODULE), "quantize_fp8_rowwise_impl"
+        real = module.quantize_fp8_rowwise_impl
+
+        def changed(**kwargs):
+            codes, scale_inv = real(**kwargs)
+            return codes.view(_OTHER_FP8[codes.dtype]), scale_inv
+
+    monkeypatch.setattr(module, name, functools.wraps(real)(changed))  # the same signature
+    detected = replace(tp.device_profile(ARCH), detected=True)
+    monkeypatch.setattr(titan_primus.device, "detect_device", lambda index=None: detected)
+    release.forget_api()
+    _PASSED.clear()
+    router = LayerRouter(ConversionOptions(backend="primus_turbo", recipe="rowwise"))
+    try:
+        if change == "fp32 GEMM output":
+            assert router.decision("linear").backend_name == "primus_turbo"
+            (figures,) = _PASSED.values()
+            assert "floor 40 dB" in figures, figures
+        else:
+            with pytest.raises(
+                Fp8SelfCheckError,
+                match=r"(?s)primus_turbo's linear with rowwise .* raised on a tiny input.*Installed: Primus-Turbo .*Fix: install",
+            ):
+                router.decision("linear")
+    finally:
+        monkeypatch.undo()
+        release.forget_api()
+        _PASSED.clear()

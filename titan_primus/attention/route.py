@@ -85,7 +85,7 @@ def attention_refusal(backend: str, device: DeviceProfile, site: AttentionSite, 
         return f"unsupported: the {backend} backend has no {'FP8' if fp8 else 'bf16'} attention"
     if not (available := chosen.availability(device)):
         return f"unavailable: {available.reason}"
-    refusal = fp8_attention_refusal(site) if fp8 else kernels.bf16_refusal(site.head_dims)
+    refusal = kernels.unavailable(fp8) or (fp8_attention_refusal(site) if fp8 else kernels.bf16_refusal(site.head_dims))
     return f"unsupported: {refusal}" if refusal else ""
 
 
@@ -122,7 +122,11 @@ def route_attention(
     kernels = chosen.attention()
     fp8_refused = None
     if fp8:
-        fp8_refused = fp8_attention_refusal(site) if kernels.fp8 else f"the {chosen.name} backend has no FP8 attention"
+        fp8_refused = (
+            kernels.unavailable(True) or fp8_attention_refusal(site)
+            if kernels.fp8
+            else f"the {chosen.name} backend has no FP8 attention"
+        )
     if fp8 and fp8_refused is None:
         return AttentionRoute(fqn, chosen.name, True, f"{site.describe()}; {available}", kernels(device, True))
     refused = f"; FP8 attention refused: {fp8_refused}" if fp8_refused else ""
@@ -132,6 +136,6 @@ def route_attention(
         return AttentionRoute(
             fqn, None, False, f"bf16 attention stays TorchTitan's own: the {chosen.name} backend has none{refused}"
         )
-    if why := kernels.bf16_refusal(site.head_dims):
+    if why := kernels.unavailable(False) or kernels.bf16_refusal(site.head_dims):
         return AttentionRoute(fqn, None, False, why)
     return AttentionRoute(fqn, chosen.name, False, f"{site.describe()}; {available}{refused}", kernels(device, False))

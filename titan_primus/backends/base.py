@@ -90,6 +90,12 @@ class AttentionKernels(ABC):
         return frozenset()
 
     @staticmethod
+    def unavailable(fp8: bool) -> str | None:
+        """Why the FP8 (``fp8``) or bf16 kernels cannot run with what is installed, if so (an
+        upstream whose attention functions differ from the calls the backend makes)."""
+        return None
+
+    @staticmethod
     def bf16_refusal(head_dims: tuple[int, int] | None) -> str | None:
         """Why the bf16 kernels cannot take these (query/key, value) head dims, if so."""
         return None
@@ -149,6 +155,11 @@ class Fp8Backend(ABC):
     ) -> Verdict:
         """Does it implement ``op`` with ``recipe`` on ``device``, for a contracted dim ``k`` and
         output dim ``n`` when given? Called after ``availability`` said yes."""
+
+    def installed(self) -> str:
+        """The upstream whose kernels it runs, as installed ("TorchAO 0.18.0"), for messages about
+        them; "" for a backend of titan-primus's own code."""
+        return ""
 
     def chosen_automatically(self, op: Op, recipe: str, device: DeviceProfile) -> Verdict:
         """May ``backend="auto"`` pick this backend for ``op`` with ``recipe`` on ``device``, where

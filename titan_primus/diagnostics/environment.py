@@ -14,12 +14,12 @@ import torch
 from .. import __version__, registry
 from ..integrations.torchtitan import line_seams
 from ..integrations.torchtitan.common.imports import installed_version, unsupported_torchtitan
-from ..attention import AttentionSite, route_attention
+from ..attention import AttentionSite, backend_route, route_attention
 from ..backends.base import OPS
 from ..device import DeviceProfile, detect_device, device_profile
 from ..recipes import RECIPE_NAMES
 from ..routing import BackendUnavailableError, select_backend
-from ..self_check import Fp8SelfCheckError, self_check
+from ..self_check import Fp8SelfCheckError, attention_self_check, self_check
 from .contracts import contract_states
 from .results import SCHEMA_VERSION
 
@@ -187,31 +187,36 @@ def _attention(profile: DeviceProfile) -> list[dict]:
     return rows
 
 
-def kernel_checks(profile: DeviceProfile, routing: list[dict]) -> list[dict]:
+def kernel_checks(profile: DeviceProfile, routing: list[dict], attention: list[dict]) -> list[dict]:
     """The numeric self-check conversion runs (titan_primus.self_check), on every routed op and
-    recipe of ``routing``: each row's ``status`` is pass, fail (the kernel computes other numbers
-    than its definition, or raised), or not checked (the reference itself, or a backend that does
-    not declare ``checked_at_conversion``), with the figures or the reason."""
+    recipe of ``routing`` and each attention kind of ``attention`` (``recipe`` fp8_blockwise64 or
+    bf16): each row's ``status`` is pass, fail (the kernel computes other numbers than its
+    definition, or raised), or not checked (the reference itself, or a backend that does not
+    declare ``checked_at_conversion``), with the figures or the reason."""
     rows = []
     for route in routing:
-        if route["backend"] is None:
-            continue
-        row = {"op": route["op"], "recipe": route["recipe"], "backend": route["backend"]}
-        backend = registry.get_backend(route["backend"])
-        try:
-            figures = self_check(backend, route["op"], backend.recipe_for(route["recipe"], profile), profile)
-        except Exception as e:  # doctor reports; a failing check is a row
-            row.update(status="fail", result=str(e) if isinstance(e, Fp8SelfCheckError) else failed_check(e))
-        else:
-            checked = "pass" if figures and not figures.startswith("not run") else "not checked"
-            why = (
-                "the exact reference itself"
-                if backend.reference
-                else "its kernels do not declare checked_at_conversion"
-            )
-            row.update(status=checked, result=figures or why)
-        rows.append(row)
+        if route["backend"] is not None:
+            backend = registry.get_backend(route["backend"])
+            recipe = backend.recipe_for(route["recipe"], profile)
+            rows.append(_kernel_check(route, backend, lambda: self_check(backend, route["op"], recipe, profile)))
+    for name, fp8 in dict.fromkeys((r["backend"], r["fp8"]) for r in attention if r["backend"] is not None):
+        row = {"op": "attention", "recipe": "fp8_blockwise64" if fp8 else "bf16", "backend": name}
+        route = backend_route("doctor", name, fp8=fp8, device=profile, reason="--check-kernels")
+        rows.append(_kernel_check(row, registry.get_backend(name), lambda: attention_self_check(route, profile)))
     return rows
+
+
+def _kernel_check(route: dict, backend, check) -> dict:
+    row = {"op": route["op"], "recipe": route["recipe"], "backend": route["backend"]}
+    try:
+        figures = check()
+    except Exception as e:  # doctor reports; a failing check is a row
+        row.update(status="fail", result=str(e) if isinstance(e, Fp8SelfCheckError) else failed_check(e))
+    else:
+        checked = "pass" if figures and not figures.startswith("not run") else "not checked"
+        why = "the exact reference itself" if backend.reference else "its kernels do not declare checked_at_conversion"
+        row.update(status=checked, result=figures or why)
+    return row
 
 
 def diagnose(device: str | None = None, check_kernels: bool = False) -> dict:
@@ -242,7 +247,7 @@ def diagnose(device: str | None = None, check_kernels: bool = False) -> dict:
         "contracts": contract_states(),
     }
     if check_kernels:
-        result["kernel_checks"] = kernel_checks(profile, result["routing"])
+        result["kernel_checks"] = kernel_checks(profile, result["routing"], result["attention"])
     return result
 
 

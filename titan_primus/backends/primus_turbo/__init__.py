@@ -28,7 +28,7 @@ from ...recipes import RECIPE_NAMES, Fp8Recipe, has_definition, make_recipe
 from ..base import Fp8Backend, Op, Verdict
 from . import mx
 from .autograd import TurboGroupedMM, TurboLinear
-from .release import TurboApi, api_loaded, describe_build, forget_api, imported, load_api, require_api
+from .release import MX_CALLER, TurboApi, api_loaded, describe_build, forget_api, imported, load_api, require_api
 from .rules import refusal
 
 __all__ = ["PrimusTurboBackend", "load_api", "describe_build"]
@@ -69,6 +69,10 @@ class PrimusTurboBackend(Fp8Backend):
     def rank(self, device: DeviceProfile) -> int:
         return 300 if device.mi300_class else 0
 
+    def installed(self) -> str:
+        api = load_api() if api_loaded() else None
+        return f"Primus-Turbo {api.build}" if api is not None and not isinstance(api, str) else ""
+
     def availability(self, device: DeviceProfile) -> Verdict:
         api = self._api_for(device)
         if isinstance(api, str):
@@ -86,7 +90,7 @@ class PrimusTurboBackend(Fp8Backend):
         api = self._api_for(device)
         if isinstance(api, str):
             return Verdict.no(api)
-        why = refusal(api, device, op, recipe, k, n)
+        why = (api.differs.get(MX_CALLER) if recipe == "mxfp8" else None) or refusal(api, device, op, recipe, k, n)
         return Verdict.no(why) if why else Verdict.yes()
 
     def chosen_automatically(self, op: Op, recipe: str, device: DeviceProfile) -> Verdict:

@@ -91,6 +91,9 @@ class TurboApi:
     take its tile proposals, BLOCK_K up to 256 (``triton/utils/origami.py``)."""
     min_rows: dict[str, int] = field(default_factory=dict)
     """Rows a linear's input is zero-padded to, per recipe (``rules.min_token_rows``)."""
+    differs: dict[str, str] = field(default_factory=dict)
+    """{titan-primus file: why} where this build's functions differ from the calls that file makes
+    (mxfp8's, attention's: ``release.CALLED_BY_NAME``); what that file runs is refused at routing."""
 
     def at_least(self, surface: str) -> bool:
         return SURFACES.index(self.surface) >= SURFACES.index(surface)

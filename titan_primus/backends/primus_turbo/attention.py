@@ -10,6 +10,7 @@ import torch
 from ..base import AttentionKernels
 from .attention_bf16 import flash_attention, kernel_settings
 from .attention_fp8 import FORWARD_OP, fp8_attention
+from .release import ATTENTION_BF16_CALLER, ATTENTION_FP8_CALLER, load_api
 
 __all__ = ["TurboAttention"]
 
@@ -32,6 +33,12 @@ class TurboAttention(AttentionKernels):
         if "primus_turbo.pytorch" in sys.modules:  # never imported off MI300-class GPUs
             ops |= {getattr(torch.ops.primus_turbo, name).default for name in _BF16_FORWARD_OPS}
         return frozenset(ops)
+
+    @staticmethod
+    def unavailable(fp8):
+        api = load_api()
+        caller = ATTENTION_FP8_CALLER if fp8 else ATTENTION_BF16_CALLER
+        return None if isinstance(api, str) else api.differs.get(caller)
 
     @staticmethod
     def bf16_refusal(head_dims):

@@ -16,7 +16,7 @@ import torch
 
 from ...grouping import group_lens
 from .autograd import group_offsets
-from .release import TurboApi, require_api
+from .release import PUBLIC_OPS_MODULE, TurboApi, require_api
 
 __all__ = ["linear", "grouped_mm"]
 
@@ -34,13 +34,13 @@ def _config(api: TurboApi):
 
 
 def _ops():
-    return importlib.import_module("primus_turbo.pytorch").ops
+    return importlib.import_module(PUBLIC_OPS_MODULE)
 
 
 def _gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     api = require_api()
     out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
-    out = _ops().gemm_fp8(x, weight, trans_a=False, trans_b=True, out_dtype=out_dtype, config=_config(api))
+    out = _ops().gemm_fp8(a=x, b=weight, trans_a=False, trans_b=True, out_dtype=out_dtype, config=_config(api))
     return out.to(x.dtype)
 
 
@@ -49,9 +49,9 @@ def _grouped(A: torch.Tensor, B_t: torch.Tensor, offs: torch.Tensor) -> torch.Te
     # MX grouped GEMMs take the NT layout only (FP8GroupedGemmMXFunc asserts trans_b).
     b = B_t.transpose(-2, -1).contiguous()
     return _ops().grouped_gemm_fp8(
-        A,
-        b,
-        group_lens(offs),
+        a=A,
+        b=b,
+        group_lens=group_lens(offs),
         group_offs=group_offsets(offs),
         trans_b=True,
         out_dtype=torch.bfloat16,

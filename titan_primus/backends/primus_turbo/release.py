@@ -58,6 +58,7 @@ BACKEND_MODULE = "primus_turbo.pytorch.core.backend"
 GEMM_OPS_MODULE = "primus_turbo.pytorch.ops.gemm_fp8"
 QUANT_MODULE = "primus_turbo.pytorch.kernels.quantization.quantization_impl"
 GEMM_IMPL_MODULE = "primus_turbo.pytorch.kernels.gemm.gemm_fp8_impl"
+PUBLIC_OPS_MODULE = "primus_turbo.pytorch.ops"
 GROUPED_IMPL_MODULE = "primus_turbo.pytorch.kernels.grouped_gemm.grouped_gemm_fp8_impl"
 ATTENTION_IMPL_MODULES = (
     "primus_turbo.pytorch.kernels.attention.attention_triton_impl",
@@ -106,8 +107,9 @@ def _surface(enums: ModuleType, gemm_ops: ModuleType, grouped_impl) -> str:
 # ``primus_turbo.pytorch``), before any step, with the function and the names, and so is one that
 # adds an argument without a default; one that adds an argument with a default passes.
 _AUTOGRAD = "titan_primus/backends/primus_turbo/autograd.py"
-_ATTENTION_FP8 = "titan_primus/backends/primus_turbo/attention_fp8.py"
-_ATTENTION_BF16 = "titan_primus/backends/primus_turbo/attention_bf16.py"
+ATTENTION_FP8_CALLER = "titan_primus/backends/primus_turbo/attention_fp8.py"
+ATTENTION_BF16_CALLER = "titan_primus/backends/primus_turbo/attention_bf16.py"
+MX_CALLER = "titan_primus/backends/primus_turbo/mx.py"
 CALLED_BY_NAME = {
     "gemm_fp8_impl": (_AUTOGRAD, (
         "a", "a_scale_inv", "trans_a", "b", "b_scale_inv", "trans_b", "out_dtype", "trans_c", "granularity",
@@ -121,6 +123,9 @@ CALLED_BY_NAME = {
         "a", "b", "a_scales", "b_scales", "group_lens", "group_offs", "trans_a", "trans_b", "trans_c", "out_dtype",
         "granularity", "num_cu", "default_backend",
     )),
+    # The public ops mxfp8 runs (v0.3.2.dev48+ on gfx950; the same arguments at every build).
+    "gemm_fp8": (MX_CALLER, ("a", "b", "trans_a", "trans_b", "out_dtype", "config")),
+    "grouped_gemm_fp8": (MX_CALLER, ("a", "b", "group_lens", "group_offs", "trans_b", "out_dtype", "config")),
     "quantize_fp8_tensorwise_impl": (_AUTOGRAD, ("x", "out_dtype")),
     "quantize_fp8_rowwise_impl": (_AUTOGRAD, ("x", "out_dtype", "axis")),
     "dequantize_fp8_rowwise_impl": (_AUTOGRAD, ("x", "out_dtype", "axis", "scale_inv")),
@@ -129,21 +134,21 @@ CALLED_BY_NAME = {
     "quant_fp8_blockwise_segment_m_row_col_impl": (_AUTOGRAD, (
         "x", "dtype", "block_size", "group_lens", "group_offs", "gemm_other_dim",
     )),
-    "attention_triton_forward_impl": (_ATTENTION_FP8, (
+    "attention_triton_forward_impl": (ATTENTION_FP8_CALLER, (
         "q", "k", "v", "p_scale", "q_descale", "k_descale", "v_descale", "dropout_p", "softmax_scale", "causal",
         "window_size_left", "window_size_right", "bias", "alibi_slopes", "return_softmax", "use_fp8",
     )),
-    "attention_triton_backward_impl": (_ATTENTION_FP8, (
+    "attention_triton_backward_impl": (ATTENTION_FP8_CALLER, (
         "do", "q", "k", "v", "o", "q_descale", "k_descale", "v_descale", "p_scale", "softmax_lse_delta", "dq",
         "dk", "dv", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "softmax_scale", "causal",
         "window_size_left", "window_size_right", "alibi_slopes", "use_fp8",
     )),
-    "attention_aiter_varlen_forward_impl": (_ATTENTION_BF16, (
+    "attention_aiter_varlen_forward_impl": (ATTENTION_BF16_CALLER, (
         "q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "dropout_p",
         "softmax_scale", "causal", "window_size_left", "window_size_right", "bias", "alibi_slopes", "return_lse",
         "return_softmax",
     )),
-    "attention_aiter_varlen_backward_impl": (_ATTENTION_BF16, (
+    "attention_aiter_varlen_backward_impl": (ATTENTION_BF16_CALLER, (
         "dout", "q", "k", "v", "out", "softmax_lse", "dq", "dk", "dv", "cu_seqlens_q", "cu_seqlens_k",
         "max_seqlen_q", "max_seqlen_k", "dropout_p", "softmax_scale", "causal", "window_size_left",
         "window_size_right", "alibi_slopes", "deterministic", "rng_state", "is_v3_atomic_fp32", "how_v3_bf16_cvt",
@@ -166,7 +171,7 @@ def _parameters(fn) -> dict[str, bool]:
 
 def called_modules() -> tuple[ModuleType, ...]:
     """The Primus-Turbo modules holding the functions and ops of :data:`CALLED_BY_NAME`."""
-    names = (GEMM_IMPL_MODULE, GROUPED_IMPL_MODULE, QUANT_MODULE, *ATTENTION_IMPL_MODULES)
+    names = (GEMM_IMPL_MODULE, GROUPED_IMPL_MODULE, QUANT_MODULE, *ATTENTION_IMPL_MODULES, PUBLIC_OPS_MODULE)
     return tuple(importlib.import_module(name) for name in names)
 
 
@@ -188,14 +193,21 @@ def called_by_name_problem(name: str, modules: tuple[ModuleType, ...]) -> str | 
     return None
 
 
-def _check_called_by_name(modules: tuple[ModuleType, ...], version: str) -> None:
+def _differing_calls(modules: tuple[ModuleType, ...], version: str) -> dict[str, str]:
+    """{titan-primus file: why} for each file whose Primus-Turbo calls differ in this build. The
+    GEMMs' (autograd.py: every recipe but mxfp8) are the backend's core: a difference there refuses
+    the build here; the others refuse only what their file runs (mxfp8, FP8 or bf16 attention)."""
+    differs = {}
     for name, (caller, _) in CALLED_BY_NAME.items():
         problem = called_by_name_problem(name, modules)
-        if problem:
-            raise UnsupportedRelease(
+        if problem and caller not in differs:
+            differs[caller] = (
                 f"Primus-Turbo {version}: {problem} ({caller}; verified at {', '.join(VERIFIED_BUILDS)}): "
                 f"use a verified build, or a titan-primus that supports this one"
             )
+    if _AUTOGRAD in differs:
+        raise UnsupportedRelease(differs.pop(_AUTOGRAD))
+    return differs
 
 
 def _too_old(why: str) -> str:
@@ -226,7 +238,7 @@ def _load() -> TurboApi:
     grouped_impl = importlib.import_module(GROUPED_IMPL_MODULE)
     surface = _surface(enums, importlib.import_module(GEMM_OPS_MODULE), grouped_impl.grouped_gemm_fp8_impl)
     version = str(getattr(importlib.import_module("primus_turbo"), "__version__", "unknown"))
-    _check_called_by_name(called_modules(), version)
+    differs = _differing_calls(called_modules(), version)
     if newer_than_verified(version):  # once per load, in the log of the conversion that loads it
         logger.warning("titan-primus: Primus-Turbo %s", describe_build(version))
     api = TurboApi(
@@ -242,6 +254,7 @@ def _load() -> TurboApi:
         float8_e5m2=turbo.float8_e5m2,
         user_backends=_user_backends(backend_module),
         origami=importlib.util.find_spec("origami") is not None,
+        differs=differs,
     )
     return replace(
         api, min_rows={recipe: min_token_rows(api, recipe) for recipe in ("tensorwise", "rowwise", "blockwise")}

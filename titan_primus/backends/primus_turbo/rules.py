@@ -13,32 +13,20 @@ Which kernel runs a GEMM is Primus-Turbo's choice: its autograd Functions name a
 (``core/backend.py``). A rule applies where its kernel may run: the default, a backend the
 environment asks for, or, under auto-tuning, any backend.
 
-Sources (``primus_turbo/`` at each build):
-- ``triton/gemm/gemm_fp8_kernel.py``: the tensorwise and rowwise persistent kernels state
-  ``tl.assume(loop_k > 1)`` with ``loop_k = K // BLOCK_K`` (``cdiv`` minus the masked tail);
-  BLOCK_K is 128 or 64 by layout on gfx942 (``offline_select_fp8``) and 128 on gfx950, so every
-  contraction (K, N, and the token count M of the wgrad) needs >= 256.
-- ``triton/grouped_gemm/grouped_gemm_fp8_kernel.py``: the tensorwise, rowwise and blockwise
-  grouped persistent kernels state it over K (forward) and N (dgrad); BLOCK_K is 128 or 64, but
-  on gfx950 it follows the optional ``origami`` package's proposal (``triton/utils/origami.py``:
-  BLOCK_K in {64, 128, 256}), so there 512 where origami is installed. The variable-K wgrad
-  kernels loop over each group's rows without an assume; the MX kernel states none.
-- ``kernels/gemm/gemm_fp8_impl.py`` ``GEMMFP8CKBackend.can_handle`` (CK; rowwise dense at
-  v0.3.1, where hipBLASLt has no rowwise): contraction dim divisible by 32 when the left operand
-  is not transposed (K forward, N dgrad).
+Each constant mirrored from Primus-Turbo's sources names, in ``MIRRORED``, the file it was read
+in, the builds it was read at and what the file states; tests/real_turbo/test_mirrored_constants.py
+re-reads each from every build's sources.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 from ...device import DeviceProfile
 from ..base import Op
+from .api import VERIFIED_BUILDS, TurboApi
 
-if TYPE_CHECKING:
-    from .api import TurboApi
-
-__all__ = ["refusal", "min_token_rows", "dense_backend", "ALIGNMENT", "BLOCK_RECIPES", "MX_MIN_SURFACE"]
+__all__ = ["refusal", "min_token_rows", "dense_backend", "ALIGNMENT", "BLOCK_RECIPES", "MX_MIN_SURFACE", "MIRRORED"]
 
 ALIGNMENT = 16
 CK_ALIGNMENT = 32
@@ -50,7 +38,6 @@ MX_MIN_SURFACE = "v0.3.2.dev48"
 BLOCK_RECIPES = ("mxfp8", "blockwise")
 
 # The backend each build's own autograd Functions name as default: (surface, recipe) -> dense.
-# Grouped GEMMs default to Triton for tensorwise, rowwise and blockwise at every build here.
 _DENSE_DEFAULT = {
     ("v0.3.1", "tensorwise"): "HIPBLASLT",
     ("v0.3.1", "rowwise"): "HIPBLASLT",
@@ -58,6 +45,71 @@ _DENSE_DEFAULT = {
     ("v0.3.2.dev48", "tensorwise"): "HIPBLASLT",
     ("v0.3.2.dev48", "rowwise"): "TRITON",
     ("v0.3.2.dev48", "blockwise"): "TRITON",
+}
+# Grouped tensorwise, rowwise and blockwise at every build: the grouped rules below are Triton's.
+_GROUPED_DEFAULT = "TRITON"
+
+
+@dataclass(frozen=True)
+class Mirrored:
+    """Where a constant above was read: ``files`` under ``primus_turbo/``, at ``builds``."""
+
+    files: tuple[str, ...]
+    builds: tuple[str, ...]
+    what: str
+    """What the files state, which the constant mirrors."""
+
+
+_GEMM_IMPL = "pytorch/kernels/gemm/gemm_fp8_impl.py"
+_GROUPED_KERNEL = "triton/grouped_gemm/grouped_gemm_fp8_kernel.py"
+_GROUPED_OPS = "pytorch/ops/grouped_gemm_fp8.py"
+
+MIRRORED = {
+    "ALIGNMENT": Mirrored(
+        (_GEMM_IMPL,),
+        VERIFIED_BUILDS,
+        "the MX backends' can_handle: m % 16 and n % 16 (GEMMFP8TurboBackend); for the other granularities "
+        "the 16 is hipBLASLt's (C++, not in these sources)",
+    ),
+    "CK_ALIGNMENT": Mirrored(
+        (_GEMM_IMPL,),
+        VERIFIED_BUILDS[1:],  # v0.3.1's can_handle checks no shape ("TODO: check shape"): its ck_gemm.cpp raises
+        "GEMMFP8CKBackend.can_handle: k % 32 == 0 where the left operand is not transposed (K forward, N dgrad)",
+    ),
+    "TRITON_MIN_CONTRACTION": Mirrored(
+        ("triton/gemm/gemm_fp8_kernel.py", _GROUPED_KERNEL),
+        VERIFIED_BUILDS,
+        "the dense tensorwise and rowwise, and grouped tensorwise, rowwise and blockwise persistent kernels "
+        "state tl.assume(loop_k > 1), loop_k = K // BLOCK_K; BLOCK_K is 128 or 64 (offline_select_fp8 by "
+        "layout; 128 on gfx950); the variable-K wgrad kernels and the grouped MX kernel state none",
+    ),
+    "TRITON_MIN_CONTRACTION_ORIGAMI": Mirrored(
+        (_GROUPED_KERNEL, "triton/utils/origami.py"),
+        VERIFIED_BUILDS,
+        "on gfx950 the grouped tensorwise and rowwise configs take BLOCK_K from the optional origami "
+        "package's proposal (blk_k = ok), drawn from block_k_range = [64, 128, 256]",
+    ),
+    "BLOCKWISE_SIZE": Mirrored(
+        (_GROUPED_OPS,), VERIFIED_BUILDS, "FP8GroupedGemmBlockFunc: assert config.block_size in [128]"
+    ),
+    "MX_K_ALIGNMENT": Mirrored(
+        (_GEMM_IMPL,),
+        VERIFIED_BUILDS,
+        "the MX backends' can_handle: k % 128 == 0 (GEMMFP8TurboBackend; GEMMFP8FlyDSLBackend from v0.3.2.dev48)",
+    ),
+    "MX_MIN_SURFACE": Mirrored(
+        (_GROUPED_OPS,),
+        VERIFIED_BUILDS,
+        "grouped_gemm_fp8 dispatches MX_BLOCKWISE (FP8GroupedGemmMXFunc) from v0.3.2.dev48; v0.3.1 does not",
+    ),
+    "_DENSE_DEFAULT": Mirrored(
+        ("pytorch/ops/gemm_fp8.py",),
+        VERIFIED_BUILDS,
+        "default_backend=BackendType.X.value in the autograd Function gemm_fp8 dispatches each granularity to",
+    ),
+    "_GROUPED_DEFAULT": Mirrored(
+        (_GROUPED_OPS,), VERIFIED_BUILDS, "the same in grouped_gemm_fp8's: TRITON for tensorwise, rowwise, blockwise"
+    ),
 }
 
 

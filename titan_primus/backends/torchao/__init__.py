@@ -95,6 +95,9 @@ class TorchAOBackend(Fp8Backend):
     def rank(self, device: DeviceProfile) -> int:
         return 200 if device.fp8_hardware else 0
 
+    def installed(self) -> str:
+        return "" if self._import_error else f"TorchAO {importlib.import_module('torchao').__version__}"
+
     def availability(self, device: DeviceProfile) -> Verdict:
         if self._import_error:
             return Verdict.no(self._import_error)
