@@ -26,6 +26,7 @@ import json
 import os
 from abc import ABC, abstractmethod
 from pathlib import Path
+from types import ModuleType
 
 from . import debug_data
 
@@ -125,6 +126,21 @@ class TrainerLine(ABC):
 
     def run_env(self, fp8: bool) -> dict[str, str]:
         return {}
+
+    seams: ModuleType
+    """The line's seams.py."""
+
+    def record_step_metrics(self, record) -> None:
+        """Each logged step's metrics, as the trainer hands them to its metric loggers, to
+        ``record`` (one dict per step, on TorchTitan's metrics rank: :func:`recording_logger`)."""
+        from torchtitan.components.metrics import BaseLogger
+
+        self.seams.record_metrics(recording_logger(BaseLogger, record))
+
+    @abstractmethod
+    def train(self) -> int:
+        """Inside the trainer process: run the line's trainer as ``torchtitan.train`` does; its exit code."""
+        ...
 
     @abstractmethod
     def install_hooks(self, record, flip_last_bit, metrics: bool, last_bit: bool):

@@ -9,7 +9,7 @@ import os
 import tomllib
 from pathlib import Path
 
-from ..common.trainer import CONVERTER_ENV, TrainerLine, common_args, fp8_options, record_routing, recording_logger
+from ..common.trainer import CONVERTER_ENV, TrainerLine, common_args, fp8_options, record_routing
 from . import seams
 
 __all__ = ["LINE", "Line02"]
@@ -24,6 +24,7 @@ EXAMPLES = Path("examples/torchtitan02")
 
 class Line02(TrainerLine):
     name = "0.2.x"
+    seams = seams
     cpu_launcher = LAUNCHER
     cpu_default = [
         ("llama3", "examples/torchtitan02/llama3_debug_fp8.toml", 200),
@@ -71,7 +72,6 @@ class Line02(TrainerLine):
         return {CONVERTER_ENV: "on" if fp8 else "off"}
 
     def install_hooks(self, record, flip_last_bit, metrics, last_bit):
-        import torchtitan.components.metrics as tt_metrics
         from torchtitan.train import Trainer, main
 
         # TorchTitan 0.2's command line cannot empty a list (model.converters), so the converter
@@ -98,7 +98,7 @@ class Line02(TrainerLine):
             if metrics:
                 record_routing(Float8Converter, "convert", record)
         if metrics:
-            seams.record_metrics(recording_logger(tt_metrics.BaseLogger, record))
+            self.record_step_metrics(record)
         trainer_cls = Trainer
         if last_bit:
 
@@ -112,6 +112,11 @@ class Line02(TrainerLine):
 
             trainer_cls = LastBitTrainer
         return lambda: main(trainer_cls)
+
+    def train(self):
+        from torchtitan.train import Trainer, main
+
+        return main(Trainer)
 
 
 LINE = Line02()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..common.trainer import TrainerLine, common_args, fp8_options, record_routing, recording_logger
+from ..common.trainer import TrainerLine, common_args, fp8_options, record_routing
 from . import seams
 
 __all__ = ["LINE", "Line03"]
@@ -16,6 +16,7 @@ LAUNCHER = Path(__file__).resolve().parent / "launch.py"
 
 class Line03(TrainerLine):
     name = "0.3"
+    seams = seams
     cpu_launcher = LAUNCHER
     cpu_default = [("llama3", "llama3_debugmodel", 200), ("deepseek_v3", "deepseek_v3_debugmodel", 50)]
     cpu_quick = [("llama3", "llama3_debugmodel", 20)]
@@ -60,14 +61,15 @@ class Line03(TrainerLine):
                 # convert() calls it, and the ready configs (config_registry.with_fp8) call it directly.
                 record_routing(Float8Converter, "convert_model", record)
         if metrics:
-            from torchtitan.components.metrics import BaseLogger
-
-            seams.record_metrics(recording_logger(BaseLogger, record))
+            self.record_step_metrics(record)
         if last_bit:
             seams.record_initial_weights(lambda model: record({"last_bit_flipped": flip_last_bit(model)}))
+        return self.train
+
+    def train(self):
         from torchtitan.train import main
 
-        return main
+        return main()
 
 
 LINE = Line03()
