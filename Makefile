@@ -58,8 +58,8 @@ test-newest:
 # its FP8 formats at import). TITAN_PRIMUS_TURBO_SOURCES overrides where the builds are
 # (default ../shared/primus-turbo); where they are absent the tier is skipped with that reason, and
 # with CI set pytest stops instead, naming the variable and the folder (ci/primus-turbo.sh fetches
-# them); with CI set, a run in which no test ran exits 5 too, so make stops.
-TURBO_BUILDS := v0.3.1 v0.3.2.dev48 v0.4.0 v0.4.1.dev26
+# them); with CI set, a run in which no test ran exits 5 too, so make stops. The builds are
+# titan_primus.backends.primus_turbo.api.VERIFIED_BUILDS (tests/test_cli_ci.py checks the runs cover them).
 TURBO_ARCHS  := gfx942 gfx950
 # The runs, BUILD:ARCH. make test runs TURBO_RUNS: the build AMD's images carry (v0.3.2.dev48) on
 # both architectures and the newest on the one its costliest tests take (tests/real_turbo/

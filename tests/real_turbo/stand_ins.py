@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import torch
 
+from titan_primus.backends.primus_turbo.api import VERIFIED_BUILDS
+
 NAMESPACE = "primus_turbo_cpp_extension"
 _EPS = 1e-12
 _FP8 = (torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2, torch.float8_e5m2fnuz)
@@ -61,7 +63,7 @@ SCHEMAS_FROM = {  # build -> schema changes from that build on
     "v0.3.2.dev48": {"transpose_2d": "(Tensor input, int dim0, int dim1) -> Tensor"},
     "v0.4.1.dev26": {"hipblaslt_gemm_fp8": _HIPBLASLT_FP8 + ", float beta=0.0, Tensor(a!)? out=None) -> Tensor"},
 }
-BUILDS = ("v0.3.1", "v0.3.2.dev48", "v0.4.0", "v0.4.1.dev26")
+BUILDS = VERIFIED_BUILDS
 
 
 class StandInError(RuntimeError):

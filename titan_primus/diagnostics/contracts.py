@@ -115,11 +115,13 @@ def _files(root: Path):
 
 @cache  # the package's own sources: the same for the whole process
 def torchtitan_imports(package: str) -> dict[str, tuple[list[str], bool]]:
-    """``module.name`` of everything the line ``package`` (``v0_3``, ...) imports from TorchTitan:
-    the files that import it, and whether it is optional (its module is probed with
-    ``importlib.util.find_spec`` in the same file, and the import runs only where it is there)."""
+    """``module.name`` of everything the line ``package`` (``v0_3``, ...) imports from TorchTitan,
+    its own modules' and ``common/``'s (which runs on every line): the files that import it, and
+    whether it is optional (its module is probed with ``importlib.util.find_spec`` in the same
+    file, and the import runs only where it is there)."""
     found: dict[str, tuple[set[str], bool]] = {}
-    for file, tree in _files(_PACKAGE / "integrations" / "torchtitan" / package):
+    folders = (_PACKAGE / "integrations" / "torchtitan" / package, _PACKAGE / "integrations" / "torchtitan" / "common")
+    for file, tree in (entry for folder in folders for entry in _files(folder)):
         probed = [
             node.args[0].value
             for node in ast.walk(tree)
