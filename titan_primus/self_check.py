@@ -66,7 +66,7 @@ def _size(backend: Fp8Backend, op: Op, recipe: Fp8Recipe, device: DeviceProfile)
 
 def _record(backend: Fp8Backend, op: Op, recipe: Fp8Recipe, device: DeviceProfile) -> GemmRecord:
     size = _size(backend, op, recipe, device)
-    host = torch.device("cuda" if device.detected and torch.cuda.is_available() else "cpu")
+    host = _host(device)
     generator = torch.Generator().manual_seed(0)
 
     def normal(*shape):
@@ -98,14 +98,7 @@ def _check(backend: Fp8Backend, op: Op, recipe: Fp8Recipe, device: DeviceProfile
     try:
         actual = recompute(record, backend)
     except Exception as e:
-        where = f"{backend.name}'s {op} with {recipe.describe()} on {device.arch}"
-        if device.detected:
-            raise Fp8SelfCheckError(
-                f"{where} raised on a tiny input at conversion: {type(e).__name__}: {e}. {_fix(backend)}"
-            ) from e
-        # A named profile on another host (routing asked about hardware that is not here): its
-        # kernels may not run here at all; they are checked where they run.
-        return f"not run on this host under the named profile {device.arch} ({type(e).__name__}: {e})"
+        return _raised(f"{backend.name}'s {op} with {recipe.describe()} on {device.arch}", e, device, _fix(backend))
     problems = [
         f"{name} is {tensor.dtype}, the contract is {record.operands[0].dtype}"
         for name, tensor in actual.items()
@@ -153,7 +146,7 @@ def attention_self_check(route: AttentionRoute, device: DeviceProfile) -> str:
 
 def _attention_inputs(device: DeviceProfile) -> list[torch.Tensor]:
     B, L, Hq, Hkv, D = _ATTENTION_SHAPE
-    host = torch.device("cuda" if device.detected and torch.cuda.is_available() else "cpu")
+    host = _host(device)
     generator = torch.Generator().manual_seed(0)
     shapes = ((B, L, Hq, D), (B, L, Hkv, D), (B, L, Hkv, D), (B, L, Hq, D))
     return [torch.randn(*s, generator=generator).to(device=host, dtype=torch.bfloat16) for s in shapes]
@@ -168,12 +161,7 @@ def _check_attention(route: AttentionRoute, device: DeviceProfile) -> str:
     try:
         actual = run_attention(lambda *t: attend(route, *t, scale=None, causal=True), q, k, v, grad_out)
     except Exception as e:
-        if device.detected:
-            raise Fp8SelfCheckError(
-                f"{where} raised on a tiny input at conversion: {type(e).__name__}: {e}. "
-                f"{_fix(backend, 'turn the attention options off')}"
-            ) from e
-        return f"not run on this host under the named profile {device.arch} ({type(e).__name__}: {e})"
+        return _raised(where, e, device, _fix(backend, "turn the attention options off"))
     names = ("out", "dq", "dk", "dv")
     problems = [
         f"{n} is {t.dtype}, the contract is torch.bfloat16" for n, t in zip(names, actual) if t.dtype != q.dtype
@@ -209,6 +197,21 @@ def _check_attention(route: AttentionRoute, device: DeviceProfile) -> str:
             f"{_fix(backend, 'turn the attention options off')}"
         )
     return f"against {against}: {', '.join(figures)}"
+
+
+def _host(device: DeviceProfile) -> torch.device:
+    return torch.device("cuda" if device.detected and torch.cuda.is_available() else "cpu")
+
+
+def _raised(where: str, error: Exception, device: DeviceProfile, fix: str) -> str:
+    """A kernel raised on the tiny input: on the device it runs on, conversion stops. Under a named
+    profile on another host (routing asked about hardware that is not here) its kernels may not
+    run here at all; they are checked where they run."""
+    if device.detected:
+        raise Fp8SelfCheckError(
+            f"{where} raised on a tiny input at conversion: {type(error).__name__}: {error}. {fix}"
+        ) from error
+    return f"not run on this host under the named profile {device.arch} ({type(error).__name__}: {error})"
 
 
 def _fix(backend: Fp8Backend, instead: str = "name another backend") -> str:

@@ -345,7 +345,7 @@ def test_mirrored_constant_matches_this_build(name):
 
 # A statement of each constant's file changed as an upgrade might change it: the check fails. An edit
 # whose text a build lacks is skipped there; every constant has one that applies at every build.
-V031_CK = "# TODO: check shape"  # v0.3.1's GEMMFP8CKBackend.can_handle
+V031_CK = "# TODO: check shape"  # upstream's own text: v0.3.1's GEMMFP8CKBackend.can_handle checks no shape
 V031_GROUPED_BLOCKWISE = "elif config.granularity == ScalingGranularity.BLOCKWISE:\n        # BLOCKWISE only accepts"
 V031_GROUPED_MX = (
     "elif config.granularity == ScalingGranularity.MX_BLOCKWISE:\n        return FP8GroupedGemmMXFunc.apply()\n    "
