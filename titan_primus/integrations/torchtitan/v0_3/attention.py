@@ -16,19 +16,37 @@ subclass of a TorchTitan config whose masks it consumes:
 
 Where the route says TorchTitan's own (another device, FP8 refused with ``attention`` off), the
 config is left as it is.
+
+A document-masked model the route made varlen gets its VarlenMetadata built on the host
+(:class:`HostDocumentMasks`, installed by ``seams.build_document_masks_on_host``): TorchTitan builds
+it from the positions already on the device, one ``nonzero`` per sequence and one ``.item()``, each a
+host sync, where the flex masks it replaces built with none.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention, VarlenAttention
+import torch
+from torchtitan.models.common.attention import (
+    FlexAttention,
+    ScaledDotProductAttention,
+    VarlenAttention,
+    VarlenMetadata,
+    create_varlen_metadata_for_document,
+)
 from torchtitan.models.common.decoder import Decoder
 
 from titan_primus.attention import AttentionRoute, AttentionSite, attend
 from titan_primus.attention.call import Documents
 
-__all__ = ["PrimusTurboSDPA", "PrimusTurboVarlenAttention", "convert_attention"]
+__all__ = [
+    "HOST_DOCUMENT_MASKS",
+    "HostDocumentMasks",
+    "PrimusTurboSDPA",
+    "PrimusTurboVarlenAttention",
+    "convert_attention",
+]
 
 LSE_EPILOGUE = (
     "an LSE epilogue (out_transform, e.g. attention sinks): Primus-Turbo's returned LSE carries no gradient "
@@ -180,3 +198,53 @@ def convert_attention(model_config, router, replace) -> object:
             )
             model_config = replace(model_config, parent, attr, new)
     return model_config
+
+
+def has_routed_documents(model_config) -> bool:
+    """Whether ``model_config``'s decoder takes the document masks on the route (its first inner
+    attention, which ``Decoder.get_attention_masks`` builds them for, is the route's varlen)."""
+    inner = getattr(getattr(model_config, "first_attention", None), "inner_attention", None)
+    return isinstance(inner, PrimusTurboVarlenAttention.Config)
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    # From pinned memory the copy is queued on the stream and the host goes on; from pageable
+    # memory the host would wait for it.
+    return t.to(device) if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
+
+
+class HostDocumentMasks:
+    """Document masks built on the host, for the batches of models that take them on the route.
+
+    :meth:`add` runs where the trainer yields a batch from the dataloader, its tensors still on the
+    CPU: TorchTitan's own ``create_varlen_metadata_for_document`` on the CPU positions (nothing to
+    wait for there), then positions and offsets copied to the device without waiting. The trainer's
+    own move of the batch then leaves the positions as they are (already there), and
+    :meth:`take`, asked for the masks of those positions, returns what :meth:`add` built: the same
+    VarlenMetadata TorchTitan would build from them on the device, without its ``B + 1`` syncs. Any
+    other positions (validation, a model off the route) get TorchTitan's own, as before."""
+
+    def __init__(self):
+        self._built: dict[int, tuple[torch.Tensor, VarlenMetadata]] = {}
+
+    def add(self, input_dict: dict, device: torch.device | str) -> None:
+        device = torch.device(device)
+        positions = input_dict.get("positions")
+        if not isinstance(positions, torch.Tensor) or positions.device.type != "cpu":
+            return
+        on_device = _to_device(positions, device)
+        if on_device.to(device) is not on_device:
+            # The trainer's own move would copy them again (a CPU trainer on "cpu:0"), so the
+            # decoder would never ask for these positions; and a CPU has no host sync to save.
+            return
+        masks = create_varlen_metadata_for_document(positions)
+        offsets = _to_device(masks.cu_seq_q, device)
+        input_dict["positions"] = on_device
+        self._built[id(on_device)] = (on_device, masks._replace(cu_seq_q=offsets, cu_seq_k=offsets))
+
+    def take(self, positions: torch.Tensor) -> VarlenMetadata | None:
+        built = self._built.pop(id(positions), None)
+        return built[1] if built is not None and built[0] is positions else None
+
+
+HOST_DOCUMENT_MASKS = HostDocumentMasks()

@@ -17,10 +17,10 @@ from torchtitan.models.common.moe import GroupedExperts
 from titan_primus.recipes import with_fp8_dispatch, with_token_groups_padded_to
 from titan_primus.conversion import ConversionOptions, LayerRouter, keep_fp8_cast_rounding_under_inductor
 from titan_primus.sentinel import COMPILE_UNSUPPORTED, SentinelLayer
-from .attention import convert_attention
+from .attention import HOST_DOCUMENT_MASKS, convert_attention, has_routed_documents
 from .modules import Fp8Linear, fp8_experts_class, is_fp8_config
 from .dispatch import fp8_dispatcher_config
-from .seams import follow_train_steps, recognise_fp8_in_has_quantization
+from .seams import build_document_masks_on_host, follow_train_steps, recognise_fp8_in_has_quantization
 
 __all__ = ["SELECTIVE_AC_FIX", "Float8Converter", "has_fp8_conversion"]
 
@@ -95,6 +95,8 @@ class Float8Converter(QuantizationConverter):
         self.sentinel = options.sentinel()
         keep_fp8_cast_rounding_under_inductor()
         recognise_fp8_in_has_quantization(has_fp8_conversion)
+        if options.attention:
+            build_document_masks_on_host(HOST_DOCUMENT_MASKS, has_routed_documents)
         if self.sentinel:
             if config.model_compile_enabled:
                 raise ValueError(COMPILE_UNSUPPORTED)

@@ -17,6 +17,7 @@ from ..common.seams import Seam, replace_once
 
 __all__ = [
     "SEAMS",
+    "build_document_masks_on_host",
     "edit_parsed_config",
     "follow_train_steps",
     "record_initial_weights",
@@ -78,8 +79,23 @@ END_OF_TRAINING_WAIT = Seam(
     VERIFIED,
     "CPU launcher: rank 0's 2 s wait after the last step, for ranks that end by themselves, is skipped",
 )
+HOST_DOCUMENT_BATCHES = Seam(
+    "host_document_masks",
+    "torchtitan.trainer:Trainer.batch_generator",
+    VERIFIED,
+    "attention route: a document-masked batch's varlen masks built from its positions on the host, before the "
+    "batch moves to the device (TorchTitan builds them on the device: one host sync per sequence, and one more)",
+)
+HOST_DOCUMENT_LOOKUP = Seam(
+    "host_document_masks_used",
+    "torchtitan.models.common.decoder:create_varlen_metadata_for_document",
+    VERIFIED,
+    "attention route: the decoder's varlen masks for positions whose masks were built on the host are those",
+)
 SEAMS = (
     HAS_QUANTIZATION,
+    HOST_DOCUMENT_BATCHES,
+    HOST_DOCUMENT_LOOKUP,
     TRAIN_STEP,
     CPU_DEVICE,
     GLOO_SUM_REDUCTION,
@@ -132,6 +148,39 @@ def _warn_has_quantization_moved(missing: str) -> None:
         missing,
         VERIFIED,
     )
+
+
+def build_document_masks_on_host(host_masks, takes_documents) -> None:
+    """The trainer's batches of a model where ``takes_documents(model_config)`` go through
+    ``host_masks.add`` (v0_3.attention.HostDocumentMasks) as the dataloader yields them, and the
+    decoder's ``create_varlen_metadata_for_document`` returns ``host_masks.take(positions)`` where
+    that has them: TorchTitan's ``train_step`` moves a batch to the device before
+    ``post_dataloading_process`` builds its masks, so the host's copy of the positions is seen
+    only in ``batch_generator``. Idempotent."""
+
+    def wrap_batches(batch_generator):
+        @functools.wraps(batch_generator)
+        def batch_generator_with_host_masks(self, data_iterable):
+            batches = batch_generator(self, data_iterable)
+            if not takes_documents(self.model_config):
+                yield from batches
+                return
+            for input_dict, labels in batches:
+                host_masks.add(input_dict, self.device)
+                yield input_dict, labels
+
+        return batch_generator_with_host_masks
+
+    def wrap_lookup(create):
+        @functools.wraps(create)
+        def create_or_host_built(positions, **kwargs):
+            built = None if kwargs else host_masks.take(positions)
+            return create(positions, **kwargs) if built is None else built
+
+        return create_or_host_built
+
+    replace_once(HOST_DOCUMENT_BATCHES, wrap_batches)
+    replace_once(HOST_DOCUMENT_LOOKUP, wrap_lookup)
 
 
 def follow_train_steps(compile_enabled) -> None:
