@@ -59,7 +59,7 @@ test-newest:
 # (default ../shared/primus-turbo); where they are absent the tier is skipped with that reason, and
 # with CI set pytest stops instead, naming the variable and the folder (ci/primus-turbo.sh fetches
 # them); with CI set, a run in which no test ran exits 5 too, so make stops. The builds are
-# titan_primus.backends.primus_turbo.api.VERIFIED_BUILDS (tests/test_cli_ci.py checks the runs cover them).
+# titan_primus.backends.primus_turbo.api.VERIFIED_BUILDS (tests/unit/test_cli_ci.py checks the runs cover them).
 TURBO_ARCHS  := gfx942 gfx950
 # The runs, BUILD:ARCH. make test runs TURBO_RUNS: the build AMD's images carry (v0.3.2.dev48) on
 # both architectures and the newest on the one its costliest tests take (tests/real_turbo/
@@ -90,16 +90,18 @@ test-turbo-more:
 demo: $(STAMP)
 	$(call run,$(VENV)) $(PY) examples/demo.py $(if $(RECIPE),--recipe $(RECIPE))
 
-# TorchTitan 0.2.x and 0.3 cannot share a venv: tests_tt02 runs in .venv-tt02 (venvs.mk).
+# TorchTitan 0.2.x and 0.3 cannot share a venv: the 0.2.x tests run in .venv-tt02 (venvs.mk):
+# tests/integrations/torchtitan, whose conftest collects the installed line's folder (v0_2/ here)
+# beside the tests common to both lines.
 setup-tt02: $(STAMP_TT02)
 
 # Every test but the trainer runs marked ``oldest``: test-oldest runs those, on the oldest stack
 # (each trainer run, the suite's costliest tests, runs on one stack only).
 test-tt02: $(STAMP_TT02)
-	$(call run,$(VENV_TT02)) $(PY_TT02) $(PYTEST) tests_tt02 -m "not oldest"
+	$(call run,$(VENV_TT02)) $(PY_TT02) $(PYTEST) tests/integrations/torchtitan -m "not oldest"
 	@set -e; for arch in $(TURBO_ARCHS); do \
 		echo "== TorchTitan 0.2.x adapter on Primus-Turbo $(TURBO_BUILD_TT02) on $$arch (its own code, Triton interpreter)"; \
-		$(call run,$(VENV_TT02)) $(call turbo_run,$(TURBO_BUILD_TT02),$$arch,$(VENV_TT02)) $(PY_TT02) $(PYTEST) tests_tt02/real_turbo; \
+		$(call run,$(VENV_TT02)) $(call turbo_run,$(TURBO_BUILD_TT02),$$arch,$(VENV_TT02)) $(PY_TT02) $(PYTEST) tests/integrations/torchtitan/v0_2/real_turbo; \
 	done
 
 # The TorchTitan 0.2.x suite again, on the oldest supported torch and torchao: every test but the
@@ -108,7 +110,7 @@ test-tt02: $(STAMP_TT02)
 setup-oldest: $(STAMP_OLDEST)
 
 test-oldest: $(STAMP_OLDEST)
-	$(call run,$(VENV_OLDEST)) $(PY_OLDEST) $(PYTEST) tests_tt02 -m "not trainer or oldest"
+	$(call run,$(VENV_OLDEST)) $(PY_OLDEST) $(PYTEST) tests/integrations/torchtitan -m "not trainer or oldest"
 
 # The canary on TorchTitan's next line: TorchTitan main (2026-08-21; not v0.4.0, which is on no
 # registry here), a wheel in shared/torchtitan-next beside the checkout (or beside the nearest
@@ -117,9 +119,10 @@ test-oldest: $(STAMP_OLDEST)
 # adapter's converter, shapes, activation-checkpointing and trainer tests on it, and its token
 # dispatch at TorchTitan's dispatcher seam: the converter's FP8 dispatchers, and the FP8
 # subclasses of its all-to-all and padding dispatchers on 2 gloo ranks (no trainer).
-TT_NEXT_TESTS := tests/test_converter.py tests/test_shapes.py tests/test_activation_checkpointing.py tests/test_trainer.py \
-	tests/test_token_dispatch.py::test_the_converter_gives_qualifying_experts_the_fp8_dispatcher_and_reports_every_layer \
-	tests/test_token_dispatch.py::test_fp8_all_to_all_on_two_ranks
+TT_NEXT_TESTS := tests/integrations/torchtitan/v0_3/test_converter.py tests/unit/test_shapes.py \
+	tests/integrations/torchtitan/v0_3/test_activation_checkpointing.py tests/integrations/torchtitan/v0_3/test_trainer.py \
+	tests/distributed/test_token_dispatch.py::test_the_converter_gives_qualifying_experts_the_fp8_dispatcher_and_reports_every_layer \
+	tests/distributed/test_token_dispatch.py::test_fp8_all_to_all_on_two_ranks
 # Not the two compiled selective-AC cases: about 1000 s of inductor builds on the 2-core machine
 # (2026-12-01, under load), a fifth of CI's budget; make test runs them on TorchTitan 0.3.0.
 TT_NEXT_SELECT := not compiled

@@ -14,7 +14,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 # The oldest stack the project supports, the one AMD's rocm/primus images run: pyproject.toml's
-# lower bounds (tests/test_install.py checks they agree). torch's registry wheel is a CUDA build
+# lower bounds (tests/unit/test_install.py checks they agree). torch's registry wheel is a CUDA build
 # that runs on a CPU.
 OLDEST_TORCH      := 2.12.0
 OLDEST_TORCHAO    := 0.15.0
@@ -44,7 +44,7 @@ NEWEST_TORCH      := 2.15.0
 NEWEST_TORCHAO    := 0.18.0
 NEWEST_TORCHTITAN := 0.3.0
 
-# TorchTitan 0.2.x and 0.3 cannot share a venv: tests_tt02 runs in its own, built the same way.
+# TorchTitan 0.2.x and 0.3 cannot share a venv: tests/integrations/torchtitan/v0_2 runs in its own, built the same way.
 VENV_TT02  := $(VENVS)/.venv-tt02
 PY_TT02    := $(VENV_TT02)/bin/python
 STAMP_TT02 := $(VENV_TT02)/.installed

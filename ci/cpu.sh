@@ -83,7 +83,7 @@ fi
 timed make test
 timed env OMP_NUM_THREADS=1 PATH="$VENVS/.venv/bin:$PATH" ci/gate.sh cpu
 # validate: --quick (llama3) runs in make test's suite, from a wheel of this checkout
-# (tests/test_validate.py), which fails on its verdicts; the MoE validate is the cpu workflow's
+# (tests/integrations/torchtitan/v0_3/test_validate.py), which fails on its verdicts; the MoE validate is the cpu workflow's
 # cpu-moe job (ci/cpu-moe.sh), beside this one.
 if [[ -n $builder ]]; then
     echo "== the venvs built in the background"

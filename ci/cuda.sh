@@ -71,7 +71,7 @@ fi
 # Elsewhere the cuda tests would only skip, and TorchAO runs on a CPU too: refused here instead.
 python -c 'import sys, titan_primus as tp; d = tp.detect_device()
 sys.exit(0 if d.kind == "cuda" and d.fp8_hardware else f"ci/cuda.sh: needs an NVIDIA SM89+ GPU; this is {d.arch}")'
-step "cuda-marked tests (real TorchAO kernels)" python -m pytest -q -m cuda tests/test_torchao_backend.py
+step "cuda-marked tests (real TorchAO kernels)" python -m pytest -q -m cuda tests/unit/test_torchao_backend.py
 if ((image)); then
     step "parity and bench --quick, TorchAO required" ci/gate.sh cuda --require torchao --quick
 else

@@ -37,10 +37,10 @@ python -c 'import sys, titan_primus as tp; d = tp.detect_device()
 sys.exit(0 if d.mi300_class else f"ci/mi300x-image.sh: needs an MI300-class GPU visible here; this is {d.arch}")'
 
 # The tests/ modules that import TorchTitan 0.3 cannot be collected beside the image's 0.2.x: the
-# files holding mi300 tests are named (tests/test_cli_ci.py checks that none is left out).
+# files holding mi300 tests are named (tests/unit/test_cli_ci.py checks that none is left out).
 step "mi300-marked tests (real Primus-Turbo kernels)" \
-    python -m pytest -q -m mi300 tests/test_mi300_*.py
-step "the TorchTitan 0.2.x suite on the image's stack" python -m pytest -q tests_tt02
+    python -m pytest -q -m mi300 tests/unit/test_mi300_*.py
+step "the TorchTitan 0.2.x suite on the image's stack" python -m pytest -q tests/integrations/torchtitan
 step "parity gate, Primus-Turbo required" ci/gate.sh mi300x --require primus_turbo --compile
 # The gate's parity and bench hold attention too: FP8 attention against fp32 SDPA and the emulation,
 # and Llama3-8B / DeepSeek-V3 attention timed in bf16 (SDPA, Primus-Turbo's flash_attn_func) and FP8

@@ -9,7 +9,7 @@
 # A build missing there is fetched from AMD-AGI/Primus-Turbo (TITAN_PRIMUS_TURBO_REPO overrides the
 # URL, e.g. for a mirror) at the commit pinned below, by full SHA, its primus_turbo/ folder only
 # (what Python and Triton run), and checked to be that commit. The pins are the commits
-# shared/primus-turbo/*/SOURCE name (tests/test_cli_ci.py checks they agree).
+# shared/primus-turbo/*/SOURCE name (tests/unit/test_cli_ci.py checks they agree).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -93,7 +93,7 @@ def test_opaque_op_compiles_fullgraph_equal_to_eager():
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_opaque_op_is_a_well_formed_custom_op(causal):
     """torch.library.opcheck's fake and autograd-registration checks (the others cannot sum FP8
-    outputs on a CPU: tests/test_custom_ops.py), and no output aliasing an input. Primus-Turbo's
+    outputs on a CPU: tests/unit/test_custom_ops.py), and no output aliasing an input. Primus-Turbo's
     kernel hands back an output that requires grad (attention_triton_impl.py), which the fake did
     not: the op detaches it."""
     from support.custom_ops import WITHOUT_FP8_ARITHMETIC, no_output_aliases_an_input

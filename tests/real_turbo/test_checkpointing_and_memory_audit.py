@@ -1,7 +1,7 @@
 """Selective activation checkpointing keeps Primus-Turbo's FP8 GEMMs (TorchTitan 0.3's
 ``Fp8SelectiveAC``), and the product's memory audit (``titan_primus.diagnostics.memory.saved``, ``bench
 --memory``) finds no weight copy on Primus-Turbo's own code: the main suite's tests
-(tests/test_activation_checkpointing.py, tests/test_memory.py) with Primus-Turbo."""
+(tests/integrations/torchtitan/v0_3/test_activation_checkpointing.py, tests/unit/test_memory.py) with Primus-Turbo."""
 
 import contextlib
 import sys

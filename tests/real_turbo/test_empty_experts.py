@@ -1,7 +1,7 @@
 """A rank whose experts receive no token, on Primus-Turbo's own code (its Python, its Triton
 grouped kernels under the interpreter): zero output and gradients with no row in a group, and
 without rows no quantizer and no kernel called (what its HIP kernels would do with 0 elements is
-not known, so none is asked). The emulation's cases: tests/test_empty_experts.py."""
+not known, so none is asked). The emulation's cases: tests/unit/test_empty_experts.py."""
 
 import pytest
 from support.empty_experts import ALLOCATION_OPS, assert_zero, no_token_step

@@ -1,5 +1,5 @@
-"""The field failure classes (tests/test_failure_classes.py: gradient accumulation over
-microbatches, stale rows, determinism) and the numerics sentinel's check (tests/test_sentinel.py)
+"""The field failure classes (tests/integrations/torchtitan/v0_3/test_failure_classes.py: gradient accumulation over
+microbatches, stale rows, determinism) and the numerics sentinel's check (tests/unit/test_sentinel.py)
 on Primus-Turbo's own code."""
 
 import pytest

@@ -1,5 +1,5 @@
 """Checking titan-primus's custom ops: every name its sources register, what ``torch.library.opcheck``
-can check on a CPU, and output aliasing (tests/test_custom_ops.py, tests/real_turbo)."""
+can check on a CPU, and output aliasing (tests/unit/test_custom_ops.py, tests/real_turbo)."""
 
 import re
 

@@ -1,5 +1,5 @@
 """A grouped GEMM on a rank whose experts receive no token: the step, what it may run, and what it
-must give (tests/test_empty_experts.py, and on Primus-Turbo's own code tests/real_turbo's)."""
+must give (tests/unit/test_empty_experts.py, and on Primus-Turbo's own code tests/real_turbo's)."""
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode

@@ -1,5 +1,5 @@
 """The ways FP8 training has silently gone wrong in the field, as checks of one backend, device
-profile and recipe (tests/test_failure_classes.py runs them on every backend here,
+profile and recipe (tests/integrations/torchtitan/v0_3/test_failure_classes.py runs them on every backend here,
 tests/real_turbo/test_failure_classes.py on Primus-Turbo's own code): gradient accumulation over
 microbatches, uninitialized or stale output rows, determinism."""
 

@@ -1,4 +1,5 @@
-"""The fixture both suites (tests/, tests_tt02/) use so no test sees another's routing state."""
+"""The fixture every test session uses (tests/conftest.py), on either TorchTitan line, so no test sees
+another's routing state."""
 
 import pytest
 import torch

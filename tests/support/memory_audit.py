@@ -1,6 +1,6 @@
 """The memory audit's cases (titan_primus.diagnostics.memory.saved.audit_layer: every backend, recipe,
 op, eager and compiled, the weight bf16 or all-gathered in FP8), what each must find, and the
-2-rank FSDP2 script's report (memory_fsdp.py): shared by tests/test_memory.py and the
+2-rank FSDP2 script's report (memory_fsdp.py): shared by tests/unit/test_memory.py and the
 Primus-Turbo tier."""
 
 import re
@@ -56,7 +56,7 @@ def case_id(case):
 
 
 def audit_case(case, monkeypatch):
-    """One audit case: tests/test_memory.py's, and on Primus-Turbo's own code tests/real_turbo's."""
+    """One audit case: tests/unit/test_memory.py's, and on Primus-Turbo's own code tests/real_turbo's."""
     backend_name, device, op, recipe_name, compiled, all_gather = case
     backend = tp.registry.get_backend(backend_name)
     profile = tp.device_profile(device)

@@ -20,7 +20,7 @@ def once_per_session(name: str, make: Callable[[], Any]) -> Any:
     """``make()``'s result (JSON data) run once per pytest session, whichever xdist worker asks
     first: the others wait on a file lock and read it. Also once per worker: a module-scoped
     fixture is set up again when its module's tests reach a worker apart (an ``xdist_group`` keeps
-    them on one worker, not next to each other), which ran tests_tt02's quick validate twice.
+    them on one worker, not next to each other), which ran tests/integrations/torchtitan/v0_2's quick validate twice.
     The result goes through JSON either way (dict keys become strings)."""
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # one per session, the same in every worker
     if run is None:

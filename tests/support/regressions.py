@@ -1,5 +1,5 @@
 """A TEST PLUGIN that injects the regressions an upgrade could bring into the emulated backend, to
-measure what ``titan-primus validate`` catches (tests/test_validate.py, docs/validate.md's power
+measure what ``titan-primus validate`` catches (tests/integrations/torchtitan/v0_3/test_validate.py, docs/validate.md's power
 table made by docs/validate_power_measure.py). Loaded through titan-primus's plugin entry
 points like any installed plugin (:func:`write_entry_point`); it registers no backend of its
 own: on import it changes the emulation in place, so the routing (backend, definition) stays

@@ -1,6 +1,5 @@
 """The clone the test suites run from, where they find its files (examples/, ci/, docs/,
-pyproject.toml): tests/ and tests_tt02/ import ``ROOT`` from here (tests_tt02/conftest.py, which
-puts tests/ on the path, finds it by itself)."""
+pyproject.toml): every test session imports ``ROOT`` from here."""
 
 from pathlib import Path
 

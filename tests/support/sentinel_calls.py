@@ -1,5 +1,5 @@
 """A layer checked by the numerics sentinel: its inputs and one watched call
-(tests/test_sentinel.py, and on Primus-Turbo's own code tests/real_turbo/test_failure_classes.py)."""
+(tests/unit/test_sentinel.py, and on Primus-Turbo's own code tests/real_turbo/test_failure_classes.py)."""
 
 import torch
 

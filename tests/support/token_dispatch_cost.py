@@ -1,6 +1,6 @@
 """What FP8 token dispatch's definition costs per recipe (docs/token-dispatch.md): the
 measurement behind the figures in the refusals of titan_primus/recipes.py, which
-tests/test_token_dispatch.py recomputes and docs/token_dispatch_measure.py prints.
+tests/distributed/test_token_dispatch.py recomputes and docs/token_dispatch_measure.py prints.
 
 For each recipe and 6 token distributions, the emulated grouped GEMM (4 experts, tokens 300 / 0 /
 200 / 524, K = 256, N = 128) runs on the tokens and on their forward FP8 copy (what FP8 dispatch

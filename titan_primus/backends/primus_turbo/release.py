@@ -18,7 +18,7 @@ Primus-Turbo is imported only after the hardware check says the device is MI300-
 import needs a ROCm GPU and its compiled extension), or where this process has imported it
 already (the real-code tier does, tests/real_turbo): building the registry, routing for another
 device and listing the save ops of selective activation checkpointing never import it
-(``PrimusTurboBackend``, tests/test_routing.py).
+(``PrimusTurboBackend``, tests/unit/test_routing.py).
 """
 
 from __future__ import annotations

@@ -80,7 +80,7 @@ def install_fp8_expert_parallel(model_name: str) -> str | None:
     runs in the trainer's ``__init__`` before the trainer calls the parallelize function, which
     builds its ``ExpertParallel()`` inside, and 0.2.x has no hook between the two to restore the
     name after. Idempotent, and inert for everything else: for a module without an FP8 dispatch
-    cast the subclass is ``ExpertParallel`` itself (bitwise: tests_tt02/fp8_dispatch_exchange.py)."""
+    cast the subclass is ``ExpertParallel`` itself (bitwise: tests/integrations/torchtitan/v0_2/fp8_dispatch_exchange.py)."""
     parallelize = get_train_spec(model_name).parallelize_fn
     apply_moe_ep_tp = getattr(parallelize, "__globals__", {}).get("apply_moe_ep_tp")
     namespace = getattr(apply_moe_ep_tp, "__globals__", {})

@@ -1,6 +1,6 @@
 """The 0.2 adapter's modules against the shared ops on the same weights and inputs, as checks of
-one backend, device profile and recipe: tests_tt02/test_numerics.py runs them on the emulation,
-tests_tt02/real_turbo/test_adapter.py on Primus-Turbo's own code.
+one backend, device profile and recipe: tests/integrations/torchtitan/v0_2/test_numerics.py runs them on the emulation,
+tests/integrations/torchtitan/v0_2/real_turbo/test_adapter.py on Primus-Turbo's own code.
 
 The 0.3 path is the shared core: the 0.3 adapter's modules call the same backends with the same
 recipes that ``titan_primus.fp8_linear`` and ``titan_primus.fp8_grouped_mm`` route to, on the
@@ -21,7 +21,7 @@ import titan_primus as tp
 from titan_primus.torchtitan02 import Fp8GroupedExperts, Fp8Linear
 
 # (backend, device profile, recipe): the emulation under both recipe definitions (torchao on
-# cpu, Primus-Turbo's on MI300-class profiles); Primus-Turbo itself: tests_tt02/real_turbo.
+# cpu, Primus-Turbo's on MI300-class profiles); Primus-Turbo itself: tests/integrations/torchtitan/v0_2/real_turbo.
 CASES = [
     ("emulated", "cpu", "tensorwise"),
     ("emulated", "cpu", "rowwise"),

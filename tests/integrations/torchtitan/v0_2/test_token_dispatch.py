@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -20,6 +21,8 @@ from titan_primus.token_dispatch import fp8_copy
 from titan_primus.torchtitan02 import Fp8GroupedExperts
 from titan_primus.integrations.torchtitan.v0_2 import dispatch as tt02_dispatch
 from titan_primus.integrations.torchtitan.v0_2.dispatch import Fp8ExpertParallel
+
+HERE = Path(__file__).resolve().parent  # the 0.2.x tests' scripts: the trainer's probe, the ranks' exchange
 
 DEEPSEEK_V3 = EXAMPLES / "deepseek_v3_debug_fp8.toml"
 FP8_LINE = "grouped experts: EP token dispatch in FP8 payload + scales: layers.1.moe.experts"
@@ -124,9 +127,9 @@ def test_fp8_all_to_all_is_the_bf16_all_to_all_of_the_fp8_copy():
     cases = ["rowwise,cpu,8", "rowwise,cpu,16", "rowwise,gfx942,8", "mxfp8,cpu,32"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join(
-        [str(ROOT), str(ROOT / "tests_tt02"), str(ROOT / "examples" / "torchtitan02"), str(ROOT / "examples")]
+        [str(ROOT), str(HERE), str(ROOT / "examples" / "torchtitan02"), str(ROOT / "examples")]
     )
-    script = ROOT / "tests_tt02" / "fp8_dispatch_exchange.py"
+    script = HERE / "fp8_dispatch_exchange.py"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), *cases]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
@@ -185,12 +188,12 @@ TORCHAO_ROWWISE_BOUND = 1e-5
 
 
 def probe_run(tmp_path, name, *args):
-    """The trainer with tests_tt02/dispatch_probe.py as custom_import: losses, log, and what
+    """The trainer with tests/integrations/torchtitan/v0_2/dispatch_probe.py as custom_import: losses, log, and what
     titan-primus's all-to-alls sent on rank 0 ([dtype, shape] per call)."""
     record = tmp_path / f"{name}.sent"
     env = {
         "TITAN_PRIMUS_DISPATCH_PROBE": str(record),
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "tests_tt02"), os.environ.get("PYTHONPATH")])),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])),
     }
     probe = ("--experimental.custom_import", "dispatch_probe")
     losses, log = run_trainer(DEEPSEEK_V3, tmp_path / name, 3, *EP2, *probe, *args, nproc=2, env=env)

@@ -3,7 +3,7 @@ here (issue 20): gradient accumulation over microbatches (Primus PR #1046 droppe
 gradients after the first microbatch), uninitialized or stale output rows (Primus-Turbo issue
 #397), determinism. Their FSDP2 side (FP8 all-gather on and off) is
 tests/support/grad_accumulation.py; a deliberately corrupted backend caught by the sentinel is
-tests/test_sentinel.py.
+tests/unit/test_sentinel.py.
 
 Primus-Turbo's rows run on its own code: tests/real_turbo/test_failure_classes.py."""
 

@@ -1,5 +1,5 @@
 """The TorchTitan 0.2.x adapter with Primus-Turbo's own package: routing, and the converted
-modules computing what the shared ops compute (tests_tt02/test_numerics.py does the same for the
+modules computing what the shared ops compute (tests/integrations/torchtitan/v0_2/test_numerics.py does the same for the
 backends that run in any process)."""
 
 import os

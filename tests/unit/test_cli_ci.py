@@ -177,7 +177,7 @@ def test_gpu_scripts_run_every_marked_test_file_and_gate_on_their_backend(job, m
     argvs = family_commands(job)
     runs = [run for run in map(pytest_run, argvs) if run and run[0] in (None, marker)]
     pattern = re.compile(rf"^\s*@pytest\.mark\.{marker}\b|(pytestmark\s*=|marks=).*\bpytest\.mark\.{marker}\b", re.M)
-    marked = [p for p in sorted(ROOT.glob("tests*/test_*.py")) if pattern.search(p.read_text())]
+    marked = [p for p in sorted(ROOT.glob("tests/**/test_*.py")) if pattern.search(p.read_text())]
     assert marked
     for path in marked:
         relative = path.relative_to(ROOT).as_posix()
@@ -228,7 +228,8 @@ def makefile_runs(name: str) -> list[tuple[str, str]]:
 
 def test_the_kept_venvs_are_made_again_only_when_what_installs_them_changed(tmp_path):
     """ci/cpu.sh keys its kept venvs on venvs.mk and pyproject.toml's build system and dependency
-    tables (ci/venv_key.py): a new target or tool setting keeps them, a pin or pip step does not."""
+    tables (ci/venv_key.py): a new target, tool setting or comment keeps them, a pin or pip step does
+    not."""
 
     def key(**edits) -> str:
         for name in ("pyproject.toml", "venvs.mk", "Makefile"):
@@ -246,6 +247,7 @@ def test_the_kept_venvs_are_made_again_only_when_what_installs_them_changed(tmp_
         key(**{"pyproject.toml": ("[tool.pytest.ini_options]", "[tool.pytest.ini_options]\nxfail_strict = true")})
         == kept
     )
+    assert key(**{"venvs.mk": ("# The oldest stack", "# A comment of venvs.mk's\n# The oldest stack")}) == kept
     assert key(**{"venvs.mk": ("OLDEST_TORCHAO    := 0.15.0", "OLDEST_TORCHAO    := 0.16.0")}) != kept
     assert key(**{"pyproject.toml": ('"pyyaml>=6"', '"pyyaml>=6.0.1"')}) != kept
 
@@ -352,7 +354,11 @@ def run_gate(tmp_path, *options: str, plugin: str = "") -> tuple[subprocess.Comp
     (after registering the ``plugin`` test backend, if named)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    register = f"from test_cli import Plugin, {plugin}\nregistry.register(Plugin({plugin}))\n" if plugin else ""
+    register = (
+        f"from support.doubles.plugin_backends import Plugin, {plugin}\nregistry.register(Plugin({plugin}))\n"
+        if plugin
+        else ""
+    )
     cli = bin_dir / "titan-primus"
     cli.write_text(
         f"#!{sys.executable}\nimport sys\nfrom titan_primus import registry\n{register}"

@@ -1,6 +1,6 @@
 """The attention route on TorchTitan 0.2.x: which wrappers are swapped and why, FP8 attention (the
 emulation of Primus-Turbo's, on a CPU) where its definition holds, in TorchTitan's real trainer
-from the TOML options. On Primus-Turbo's own code: tests_tt02/real_turbo/test_attention.py."""
+from the TOML options. On Primus-Turbo's own code: tests/integrations/torchtitan/v0_2/real_turbo/test_attention.py."""
 
 import pytest
 from support.closeness import relative_gaps

@@ -34,7 +34,7 @@ def test_fp8_training_tracks_bf16_and_learns(tmp_path):
 @pytest.mark.parametrize(
     "model, bf16_config, fp8_config",
     [
-        # deepseek_v3's expert weights: tests/test_converter.py round-trips its DCP checkpoints.
+        # deepseek_v3's expert weights: tests/integrations/torchtitan/v0_3/test_converter.py round-trips its DCP checkpoints.
         ("llama3", "llama3_debugmodel", "llama3_debugmodel_fp8"),
     ],
 )

@@ -98,7 +98,7 @@ def run(fn, *tensors, grad):
 
 
 # TorchAO's float8 linear path (torch._scaled_mm). Its block-scaled recipes run other code, on
-# other devices: tests/test_block_recipes.py compares those.
+# other devices: tests/unit/test_block_recipes.py compares those.
 @pytest.mark.parametrize("device", ["cpu", "gfx942"])
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
 @pytest.mark.parametrize("x_dtype", DTYPES)

@@ -11,14 +11,12 @@ from contextlib import redirect_stderr, redirect_stdout
 
 import pytest
 import torch
+from support.doubles.plugin_backends import CrashingBackend, Plugin, WrongBackend
 
 import titan_primus as tp
 from titan_primus import cli
 from titan_primus.diagnostics import bench as bench_lib
 from titan_primus.diagnostics import parity as parity_matrix
-from titan_primus.backends.emulated import EmulatedBackend
-from titan_primus.backends.emulated.attention import EmulatedAttention
-from titan_primus.hookspec import hookimpl
 from titan_primus.diagnostics.results import SCHEMA_VERSION, load_document
 
 
@@ -35,55 +33,6 @@ def strict_json(path) -> dict:
         raise AssertionError(f"{path} contains the non-JSON literal {literal}")
 
     return json.loads(path.read_text(), parse_constant=refuse)
-
-
-class WrongAttention(EmulatedAttention):
-    def fp8_attention(self, q, k, v, *, causal, softmax_scale):
-        return super().fp8_attention(q, k, v, causal=causal, softmax_scale=softmax_scale) * 1.5
-
-
-class CrashingAttention(EmulatedAttention):
-    def fp8_attention(self, q, k, v, *, causal, softmax_scale):
-        raise RuntimeError("kernel launch failed")
-
-
-class WrongBackend(EmulatedBackend):
-    """Ranks itself above every backend, then returns 1.5x the right answer (and so 1.5x gradients)."""
-
-    name = "wrong"
-
-    def rank(self, device):
-        return 1000
-
-    def linear(self, x, weight, bias, recipe):
-        return super().linear(x, weight, bias, recipe) * 1.5
-
-    def grouped_mm(self, A, B_t, offs, recipe):
-        return super().grouped_mm(A, B_t, offs, recipe) * 1.5
-
-    def attention(self):
-        return WrongAttention
-
-
-class CrashingBackend(EmulatedBackend):
-    name = "crashing"
-
-    def linear(self, x, weight, bias, recipe):
-        raise RuntimeError("kernel launch failed")
-
-    grouped_mm = linear
-
-    def attention(self):
-        return CrashingAttention
-
-
-class Plugin:
-    def __init__(self, backend_class):
-        self.backend_class = backend_class
-
-    @hookimpl
-    def titan_primus_register_backends(self):
-        return [self.backend_class()]
 
 
 @pytest.fixture

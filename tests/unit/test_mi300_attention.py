@@ -22,7 +22,7 @@ pytestmark = pytest.mark.mi300
 
 # Primus-Turbo's own gate for bf16 attention against a reference (tests/pytorch/ops/test_attention.py).
 BF16_SQNR_DB = 40
-# FP8 attention against fp32 attention is about 23-27 dB (tests/test_attention_fp8_emulated.py);
+# FP8 attention against fp32 attention is about 23-27 dB (tests/unit/test_attention_fp8_emulated.py);
 # the kernel against the emulation of its definition must be far closer than that.
 FP8_AGAINST_EMULATION_DB = 40
 

@@ -1,6 +1,6 @@
 """Issue 41: every patch of TorchTitan's internals is a declared seam of its line (seams.py), and
-``titan-primus doctor`` says whether each target is there. Runs on the installed line
-(tests_tt02/test_contracts.py runs the 0.2.x checks)."""
+``titan-primus doctor`` says whether each target is there. Runs on the installed line (the
+``line`` fixture); v0_2/test_contracts.py adds the 0.2.x line's own checks."""
 
 from __future__ import annotations
 
@@ -20,13 +20,12 @@ def test_every_seam_of_the_installed_line_finds_its_target():
     assert len({s.name for s in seams}) == len(seams)
 
 
-def test_doctor_lists_the_seams_and_names_a_missing_target(monkeypatch):
-    from torchtitan.components import metrics
-
+def test_doctor_lists_the_seams_and_names_a_missing_target(monkeypatch, line):
     _, seams = line_seams()
     rows = diagnose("cpu")["torchtitan_seams"]
     assert [r["name"] for r in rows] == [s.name for s in seams] and all(r["present"] for r in rows)
-    monkeypatch.delattr(metrics.MetricsProcessor, "_build_metric_logger")
+    owner, attribute = line.seams.METRIC_LOGGER.owner_and_attribute()
+    monkeypatch.delattr(owner, attribute)
     missing = {r["name"]: r for r in diagnose("cpu")["torchtitan_seams"]}["validate_metrics"]
     assert not missing["present"] and "has no _build_metric_logger" in missing["missing"]
 
@@ -54,16 +53,14 @@ def test_a_seam_patches_once_and_says_what_it_cannot_find(monkeypatch):
         replace_once(Seam("gone", f"{holder.__name__}:Owner.absent", "test", ""), wrap)
 
 
-def test_the_cpu_launcher_skips_the_trainers_wait_after_the_last_step_and_nothing_else():
+def test_the_cpu_launcher_skips_the_trainers_wait_after_the_last_step_and_nothing_else(line):
     """Rank 0 of TorchTitan's trainer sleeps 2 s after its last step; the CPU launcher's ranks end
     by themselves, so its trainer module's ``time`` has a ``sleep`` that returns at once and every
     other function of ``time`` unchanged; ``time`` itself is untouched."""
     import time
 
-    import titan_primus.integrations.torchtitan.v0_3.launch  # noqa: F401  (applies the CPU seams)
-    from titan_primus.integrations.torchtitan.v0_3.seams import END_OF_TRAINING_WAIT
-
-    owner, attribute = END_OF_TRAINING_WAIT.owner_and_attribute()
+    assert line.launch  # importing it applies the CPU seams
+    owner, attribute = line.seams.END_OF_TRAINING_WAIT.owner_and_attribute()
     trainer_time = getattr(owner, attribute)
     assert trainer_time is not time and time.sleep.__module__ == "time"
     start = time.perf_counter()

@@ -145,7 +145,7 @@ def test_torchtitan_compile_of_converted_moe_blocks():
     eager run's inputs and output gradient, where no other block's noise hides an error (lowest
     SQNR over its output and gradients; median of those). The emulated backend's converted
     blocks compile in TorchTitan's real trainer
-    (tests/test_fsdp_fp8_all_gather.py::test_trainer_compile_with_the_converter_and_fp8_all_gather)."""
+    (tests/distributed/test_fsdp_fp8_all_gather.py::test_trainer_compile_with_the_converter_and_fp8_all_gather)."""
     from torchtitan.config import CompileConfig
     from torchtitan.distributed.compile import apply_compile
     from torchtitan.distributed.parallel_dims import ParallelDims

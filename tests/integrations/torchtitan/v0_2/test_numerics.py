@@ -1,5 +1,5 @@
 """The 0.2 adapter computes what the 0.3 path computes on the same weights and inputs, on the
-emulation under both recipe definitions (tests_tt02/adapter_numerics.py says how, and why bitwise)."""
+emulation under both recipe definitions (tests/integrations/torchtitan/v0_2/adapter_numerics.py says how, and why bitwise)."""
 
 import pytest
 from adapter_numerics import CASES, TOKENS_PER_EXPERT, fp8_experts_match_the_shared_op, fp8_linear_matches_the_shared_op

@@ -1,6 +1,6 @@
 """An adapter that cannot be imported says why, by its real cause, and how to fix it.
 
-Runs under either TorchTitan line (tests_tt02/test_adapter_import_errors.py runs it on 0.2.x), in
+Runs under either TorchTitan line (``make test`` on 0.3, ``make test-tt02`` on 0.2.x), in
 a separate interpreter, with a module made unimportable where a case needs one missing.
 """
 
@@ -10,14 +10,12 @@ import json
 import os
 import subprocess
 import sys
-from importlib.metadata import version
 
 import pytest
+from support.lines import installed_line
 
-TORCHTITAN = version("torchtitan")
-ADAPTERS = {"0.2": ("titan_primus.torchtitan02", "torchtitan02"), "0.3": ("titan_primus.torchtitan", "torchtitan")}
-LINE = ".".join(TORCHTITAN.split(".")[:2])
-(THIS, EXTRA), (OTHER, _) = ADAPTERS[LINE], next(v for k, v in ADAPTERS.items() if k != LINE)
+LINE = installed_line()
+TORCHTITAN, THIS, EXTRA, OTHER = LINE.torchtitan, LINE.adapter, LINE.extra, LINE.other_adapter
 
 # One interpreter for every case (importing torch and TorchTitan dominates): the cases run from the
 # one that imports least of TorchTitan to the one that imports most, and TorchTitan's modules are
@@ -65,7 +63,7 @@ def messages() -> dict[tuple[str, str | None], str | None]:
 def test_the_other_lines_adapter_names_the_installed_line_and_what_to_use(messages):
     message = messages[OTHER, None]
     assert "is the adapter for TorchTitan" in message and f"the installed TorchTitan ({TORCHTITAN}) does not" in message
-    assert ("titan_primus.torchtitan02" if LINE == "0.2" else "--module titan_primus") in message
+    assert ("titan_primus.torchtitan02" if LINE.name == "0.2" else "--module titan_primus") in message
 
 
 def test_a_missing_triton_is_named_as_the_cause_not_the_torchtitan_line(messages):
@@ -130,7 +128,7 @@ def test_a_symbol_torchtitan_moved_is_named_with_titan_primus_file_and_the_verif
     """Issue 42: a TorchTitan of the adapter's own line without a symbol the adapter imports read as
     a broken install ("install (or repair) the distribution that provides the module 'torchtitan'"),
     or as the other line, and titan-primus's file was named as TorchTitan's ("torchtitan/converter.py")."""
-    cases = _FIRST_HAND[LINE]
+    cases = _FIRST_HAND[LINE.name]
     done = subprocess.run(
         [sys.executable, "-c", _MOVED, THIS, json.dumps(cases)], capture_output=True, text=True, timeout=600
     )

@@ -46,7 +46,7 @@ def test_tied_output_projection_keeps_its_tie_and_bf16_all_gather():
 @pytest.mark.trainer
 @pytest.mark.parametrize("model", ["llama3", pytest.param("deepseek_v3", marks=pytest.mark.oldest)])
 def test_fp8_all_gather_matches_it_off(model, tmp_path):
-    """Losses printed to 5 decimals are equal (the bitwise check is tests/test_fsdp_fp8_all_gather.py);
+    """Losses printed to 5 decimals are equal (the bitwise check is tests/distributed/test_fsdp_fp8_all_gather.py);
     the amaxes are refreshed by the converter's post_optimizer_hook."""
     toml = EXAMPLES / f"{model}_debug_fp8.toml"
     on, log = run_trainer(toml, tmp_path / "on", 3, *FSDP2, ON, nproc=2)

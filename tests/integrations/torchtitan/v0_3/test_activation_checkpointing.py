@@ -4,7 +4,7 @@
 block again in backward (``fp8_gemms="alternate"``, the default, TorchTitan's rule for
 ``aten.mm``), or none (``"save"``: three FP8 GEMMs per op, as without activation checkpointing);
 TorchTitan's stock policy runs all of the emulated backend's again in backward. Counted per executed kernel (tests/support/gemm_count.py), eager and under TorchTitan's
-per-block torch.compile. The 0.2.x save list: tests_tt02/test_activation_checkpointing.py."""
+per-block torch.compile. The 0.2.x save list: tests/integrations/torchtitan/v0_2/test_activation_checkpointing.py."""
 
 import pytest
 import torch
