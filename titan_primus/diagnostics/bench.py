@@ -47,6 +47,7 @@ from ..recipes import with_token_groups_padded_to
 from ..routing import RoutingDecision, select_backend
 from .environment import ATTENTION_RECIPE, describe_error, environment, why_not
 from .model_shapes import ARCHITECTURES, AttentionHeads
+from .records import BenchRow
 from .results import document
 from .sentinel_cost import sentinel_cost
 from .traffic.ep import ep_traffic_rows
@@ -462,4 +463,4 @@ def bench_document(
     counts = Counter(r["status"] for r in rows)
     summary = {status: counts[status] for status in ("ok", "error", "skipped")}
     summary["seconds"] = round(seconds, 2)
-    return document("bench", environment(profile), settings, rows, summary)
+    return document("bench", environment(profile), settings, [BenchRow.from_fields(r).to_json() for r in rows], summary)

@@ -66,6 +66,7 @@ from ..ops import fp8_grouped_mm, fp8_linear
 from ..recipes import RECIPE_NAMES, Fp8Recipe
 from ..routing import BackendUnavailableError, select_backend
 from .environment import ATTENTION_RECIPE, describe_error, environment, why_not
+from .records import ParityRow
 from .results import db_value, document, format_db
 
 __all__ = [
@@ -378,21 +379,21 @@ class Row:
         return f"{self.backend} ({self.definition})"
 
     def to_json(self) -> dict:
-        return {
-            "op": self.op,
-            "recipe": self.recipe,
-            "case": self.case,
-            "shape": self.shape,
-            "device": self.device,
-            "backend": self.backend,
-            "definition": self.definition,
-            "routed": self.routed,
-            "status": self.status,
-            "reason": self.reason,
-            "checks": [c.to_json() for c in self.checks],
-            "problems": self.problems,
-            "differs_from": self.differs_from,
-        }
+        return ParityRow(
+            op=self.op,
+            case=self.case,
+            shape=self.shape,
+            backend=self.backend,
+            recipe=self.recipe,
+            definition=self.definition,
+            status=self.status,
+            reason=self.reason,
+            device=self.device,
+            routed=self.routed,
+            checks=[c.to_json() for c in self.checks],
+            problems=self.problems,
+            differs_from=self.differs_from,
+        ).to_json()
 
 
 @dataclass

@@ -3,13 +3,16 @@ one JSON object, ``schema_version``, ``kind`` ("parity", "bench", "memory" for `
 "validate"), ``environment`` (:func:`titan_primus.diagnostics.environment.environment`),
 ``settings``, ``results`` (a list of rows) and ``summary``. SQNR values that are not finite are
 written as the strings "inf" (bitwise equal) and "-inf" (non-finite output), so every file is
-strict JSON. Loading checks the schema: any problem is one :class:`ResultsFileError`."""
+strict JSON. The rows are written through the typed records of :mod:`.records`. Loading checks the
+schema: any problem is one :class:`ResultsFileError`."""
 
 from __future__ import annotations
 
 import json
 import math
 from pathlib import Path
+
+from .records import ResultRow
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -37,7 +40,6 @@ def prepare_output(path: str | None) -> None:
 SCHEMA_VERSION = 1
 RESULT_KINDS = ("parity", "bench", "memory", "validate")
 _TOP_LEVEL_KEYS = ("schema_version", "kind", "environment", "settings", "results", "summary")
-_ROW_KEYS = ("op", "case", "backend", "status", "reason")
 
 
 def document(kind: str, environment: dict, settings: dict, results: list[dict], summary: dict) -> dict:
@@ -79,7 +81,7 @@ def load_document(path: str) -> dict:
         _check_validate_results(path, doc["results"])
         return doc
     for i, row in enumerate(doc["results"]):
-        absent = [key for key in _ROW_KEYS if key not in row]
+        absent = [key for key in ResultRow.REQUIRED if key not in row]
         if absent:
             raise ResultsFileError(f"{path}: results[{i}] lacks {', '.join(absent)}")
     return doc

@@ -32,6 +32,7 @@ from ...fsdp_fp8 import fp8_all_gather_plan
 from ...routing import select_backend
 from ..environment import describe_error, environment, why_not
 from ..model_shapes import AttentionHeads
+from ..records import GpuPeakRow, MemoryRow
 from ..results import document
 from .model import (
     ASSUMPTIONS,
@@ -324,10 +325,12 @@ def memory_document(
     counts["error"] += not checked["equal"]
     summary = {status: counts[status] for status in ("ok", "error", "skipped")}
     summary["seconds"] = round(time.perf_counter() - started, 2)
-    doc = document("memory", environment(profile), settings, rows, summary)
+    doc = document(
+        "memory", environment(profile), settings, [MemoryRow.from_fields(r).to_json() for r in rows], summary
+    )
     doc["estimates"] = estimates
     doc["selective_ac"] = selective_ac_rows(seq_len, local_batch)
-    doc["gpu_peak"] = gpu
+    doc["gpu_peak"] = None if gpu is None else [GpuPeakRow.from_fields(r).to_json() for r in gpu]
     doc["attention"] = attention
     doc["attention_check"] = checked
     return doc
