@@ -2,13 +2,12 @@
 changes no bit of training, how many bytes it saves, and TorchTitan's trainer with it on."""
 
 import os
-from pathlib import Path
 
 import pytest
 import torch
 from support.closeness import assert_losses_within
 from support.ranks import every_rank, torchrun_script
-from support.repo_root import ROOT
+from support.repo_root import ROOT, TESTS
 from support.once import once_per_session
 from support.titan_helpers import build, model_config, run_trainer
 
@@ -225,7 +224,6 @@ def test_an_embedding_never_reads_an_fp8_gathered_weight_silently():
         torch.nn.functional.embedding(torch.tensor([1, 2]), gathered)
 
 
-HERE = Path(__file__).parent
 OVERRIDE = 'titan_primus.torchtitan.overrides.fp8={"recipe": "tensorwise", "enable_fsdp_float8_all_gather": %s%s}'
 FSDP2 = ("--parallelism.data_parallel_shard_degree", "2")
 
@@ -233,7 +231,7 @@ FSDP2 = ("--parallelism.data_parallel_shard_degree", "2")
 def _fp8_run(model, dump, steps, all_gather: bool, *extra, backend="", nproc=2, full_ac=False):
     options = OVERRIDE % ("true" if all_gather else "false", f', "backend": "{backend}"' if backend else "")
     overrides = [options] + (["support.full_activation_checkpointing.full_ac"] if full_ac else [])
-    env = {"PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE)])}  # the override above: tests/support/
+    env = {"PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)])}  # the override above: tests/support/
     return run_trainer(
         model, f"{model}_debugmodel", dump, steps, "--override.imports", *overrides, *extra, nproc=nproc, env=env
     )

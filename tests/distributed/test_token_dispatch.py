@@ -7,13 +7,12 @@ with expert parallelism, dispatch on and off."""
 import json
 import os
 import re
-from pathlib import Path
 
 import pytest
 import torch
 from support.closeness import assert_losses_within
 from support.ranks import ep_trainer_runs, every_rank, torchrun_script
-from support.repo_root import ROOT
+from support.repo_root import ROOT, TESTS
 from support.titan_helpers import convert, model_config, run_trainer
 from support.token_dispatch_cost import CASES, wgrad_losses
 from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
@@ -40,7 +39,6 @@ from titan_primus.fp8.scaling import fake_quantize, quantize_per_group
 from titan_primus.token_dispatch import _pack, _unpack, fp8_copy, fp8_dispatch_cast, packed_row_bytes
 from titan_primus.integrations.torchtitan.v0_3.dispatch import fp8_dispatcher_config
 
-HERE = Path(__file__).parent
 # (recipe, definition, device profile) of every recipe that sends its tokens in FP8.
 QUALIFYING = [("rowwise", "torchao", "cpu"), ("rowwise", "primus_turbo", "gfx942"), ("mxfp8", "torchao", "sm100")]
 DISTRIBUTIONS = {
@@ -346,7 +344,7 @@ def _ep_run(tmp_path, name, override, options, config="deepseek_v3_debugmodel", 
         *extra,
         seq_len=seq_len,
         nproc=2,
-        env={"PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE)])},  # tests/support/dispatch_overrides.py
+        env={"PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)])},  # tests/support/dispatch_overrides.py
     )
 
 
@@ -484,7 +482,7 @@ def test_trainer_with_a_rank_whose_experts_receive_no_token(options, bound, tmp_
     TorchAO's rowwise 7.56818 against 7.56797 (0.0028%); bounds 0.14% and 0.03%, about 10x the
     measured gaps."""
     options = {**options, "backend": "emulated"}
-    env = {"PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE)])}
+    env = {"PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)])}
     ep, dp, log = ep_trainer_runs(
         tmp_path, "support.dispatch_overrides.fp8_first_half_experts", options, steps=2, seq_len=64, env=env
     )

@@ -19,6 +19,7 @@ from ..backends.base import OPS
 from ..device import DeviceProfile, detect_device, device_profile
 from ..recipes import RECIPE_NAMES
 from ..routing import BackendUnavailableError, select_backend
+from .records import Environment
 from ..self_check import Fp8SelfCheckError, attention_self_check, self_check
 from .contracts import contract_states
 from .results import SCHEMA_VERSION
@@ -90,14 +91,14 @@ def profile_dict(profile: DeviceProfile) -> dict:
 
 def environment(profile: DeviceProfile) -> dict:
     """The environment block of every results file: when, with what, on which device profile."""
-    return {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "host": platform.node(),
-        "platform": platform.platform(),
-        "gpus_visible": torch.cuda.device_count() if torch.cuda.is_available() else 0,
-        "versions": versions(),
-        "device": profile_dict(profile),
-    }
+    return Environment(
+        date=datetime.now(UTC).isoformat(timespec="seconds"),
+        host=platform.node(),
+        platform=platform.platform(),
+        gpus_visible=torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        versions=versions(),
+        device=profile_dict(profile),
+    ).to_json()
 
 
 def failed_check(e: Exception) -> str:

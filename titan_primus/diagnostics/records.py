@@ -1,6 +1,7 @@
-"""The rows of the results files, typed: one frozen dataclass per kind of row, each field with its
-JSON type and meaning. The producers (parity, bench, ``bench --memory``) write their rows through
-these classes, so a row cannot carry a key the schema does not declare nor lack one it does, and
+"""The records of the results files, typed: one frozen dataclass per kind of row (and the
+environment block, and validate's result per config), each field with its JSON type and meaning.
+The producers (parity, bench, ``bench --memory``, validate, every ``environment``) write them
+through these classes, so a row cannot carry a key the schema does not declare nor lack one it does, and
 docs/json-schema.md's row tables are generated from them (:func:`write_schema`;
 tests/unit/test_json_schema_doc.py fails when the page is stale)."""
 
@@ -14,19 +15,23 @@ from typing import Any, ClassVar
 
 __all__ = [
     "BenchRow",
+    "Environment",
     "GpuPeakRow",
     "MemoryRow",
     "ParityRow",
     "ResultRow",
     "SCHEMA_TABLES",
+    "ValidateResult",
     "schema_table",
     "write_schema",
 ]
 
 
-def described(json_type: str, meaning: str, default: Any = MISSING) -> Any:
-    """A record field: its JSON type and meaning as docs/json-schema.md states them."""
-    return field(default=default, metadata={"json_type": json_type, "meaning": meaning})
+def described(json_type: str, meaning: str, default: Any = MISSING, *, omitted_when_none: bool = False) -> Any:
+    """A record field: its JSON type and meaning as docs/json-schema.md states them;
+    ``omitted_when_none``: the key is left out of the JSON where the value is None."""
+    metadata = {"json_type": json_type, "meaning": meaning, "omitted_when_none": omitted_when_none}
+    return field(default=default, metadata=metadata)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,7 +52,11 @@ class Record:
             raise ValueError(f"{cls.__name__}: {e}") from None
 
     def to_json(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if not (f.metadata["omitted_when_none"] and getattr(self, f.name) is None)
+        }
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -168,12 +177,88 @@ class GpuPeakRow(Record):
     )
 
 
+@dataclass(frozen=True, kw_only=True)
+class Environment(Record):
+    """Where and with what a run happened: every results file's ``environment`` and ``doctor
+    --json``'s (validate's adds ``device_name`` and ``primus_turbo_build``)."""
+
+    date: str = described("string", "ISO 8601, UTC, seconds (`2026-11-30T04:37:50+00:00`)")
+    host: str = described("string", "`platform.node()`")
+    platform: str = described("string", "`platform.platform()`")
+    gpus_visible: int = described("int", "`torch.cuda.device_count()` (ROCm GPUs count too), 0 without a GPU")
+    versions: dict[str, str | None] = described(
+        "object",
+        "`python`, `titan-primus`, `torch`, `torchtitan`, `torchao`, `primus-turbo` (installed distribution "
+        "versions, `null` when absent), `torch HIP build`, `torch CUDA build` (`torch.version.hip` / `.cuda`, "
+        "`null` when not that build)",
+    )
+    device: dict[str, Any] = described(
+        "object",
+        "the device profile the run used: `kind` (`cpu`/`cuda`/`rocm`), `arch` (`cpu`, `sm90`, `gfx942`, ...), "
+        "`name`, `e4m3`, `e5m2` (FP8 dtypes, e.g. `float8_e4m3fnuz`), `fp8_hardware`, `mi300_class`, "
+        "`detected` (false for a named profile chosen with `--device`), `description`",
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ValidateResult(Record):
+    """One config of ``titan-primus validate``: its four runs and their verdicts."""
+
+    REQUIRED: ClassVar[tuple[str, ...]] = ("config", "module", "runs", "verdicts")
+    """What each result of a validate file must have for ``report`` and ``--rejudge`` to read it."""
+
+    config: str = described(
+        "string",
+        "the stock TorchTitan config of the bf16 runs (TorchTitan 0.2.x: the job's TOML as given)",
+    )
+    module: str = described("string", "the model of the bf16 runs (TorchTitan 0.2.x: the TOML's `[model] name`)")
+    fp8_config: str = described(
+        "string",
+        "the config of the FP8 runs (`--module titan_primus`), e.g. `llama3_debugmodel_fp8` (0.2.x: the same "
+        "TOML, the converter added)",
+    )
+    steps: int | None = described("int or null", "training steps (null: the config's own)")
+    seq_len: int | None = described("int or null", "`training.seq_len` (null: the config's own)")
+    batch: int | None = described("int or null", "`training.local_batch_size` (null: the config's own)")
+    recipe: str = described("string", "the FP8 recipe")
+    overrides: list[str] = described("list of strings", "trainer arguments given after `--`")
+    fp8_options: dict[str, Any] = described(
+        "object",
+        "converter options of the FP8 runs only (`backend`, `fp8_dispatch`, `filter_fqns`, `attention`, "
+        "`fp8_attention`, where given)",
+    )
+    runs: dict[str, dict] = described("object", "`bf16`, `fp8`, `seed_floor`, `last_bit_floor`, each a run (below)")
+    routing: str | None = described(
+        "string or null", "titan-primus's routing summary of the FP8 run, as the converter logged it"
+    )
+    floors: dict[str, dict] = described(
+        "object",
+        '`seed` (seed_floor vs bf16), `last_bit` (last_bit_floor vs fp8): each `{"loss": gap, "grad_norm": gap}` '
+        "(below)",
+    )
+    gaps: dict[str, dict] = described("object", '`fp8_vs_bf16`: `{"loss": gap, "grad_norm": gap}`')
+    verdicts: list[dict] = described(
+        "list",
+        "`name`, `status` (`pass`/`fail`), `value`, `bound` (fractions or counts; null where the verdict has "
+        "none), `text` (the verdict with its figures, as printed)",
+    )
+    baseline: dict | None = described(
+        "object or absent",
+        "with `--baseline`: `config` (the baseline's config compared), `runs` (the baseline's `bf16` and `fp8` "
+        "steps, for the plot)",
+        None,
+        omitted_when_none=True,
+    )
+
+
 SCHEMA_TABLES: dict[str, type[Record]] = {
+    "Environment": Environment,
     "ResultRow": ResultRow,
     "ParityRow": ParityRow,
     "BenchRow": BenchRow,
     "MemoryRow": MemoryRow,
     "GpuPeakRow": GpuPeakRow,
+    "ValidateResult": ValidateResult,
 }
 """The tables docs/json-schema.md holds, by the name its markers give."""
 

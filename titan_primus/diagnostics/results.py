@@ -12,7 +12,7 @@ import json
 import math
 from pathlib import Path
 
-from .records import ResultRow
+from .records import ResultRow, ValidateResult
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -87,12 +87,9 @@ def load_document(path: str) -> dict:
     return doc
 
 
-_VALIDATE_KEYS = ("config", "module", "runs", "verdicts")
-
-
 def _check_validate_results(path: str, results: list) -> None:
     for i, result in enumerate(results):
-        absent = [key for key in _VALIDATE_KEYS if key not in result]
+        absent = [key for key in ValidateResult.REQUIRED if key not in result]
         if absent:
             raise ResultsFileError(f"{path}: results[{i}] lacks {', '.join(absent)}")
         for role, run in result["runs"].items():

@@ -32,6 +32,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..records import ValidateResult
 from ..results import document, load_document
 from .baseline import BaselineMismatch, check_baseline, mismatches, pair, refuse_mismatches
 from .judge import compare_with_baseline, judge
@@ -253,7 +254,9 @@ def conclude(doc: dict) -> dict:
         "status": "fail" if failed else "pass",
         "failed_verdicts": failed,
     }
-    return _finite_json(doc)
+    doc = _finite_json(doc)
+    doc["results"] = [ValidateResult.from_fields(result).to_json() for result in doc["results"]]
+    return doc
 
 
 def _stack(doc: dict) -> dict:

@@ -9,11 +9,10 @@ from pathlib import Path
 
 from support import corrupt_backend
 import pytest
-from support.repo_root import ROOT
+from support.repo_root import ROOT, TESTS
 from support.titan_helpers import run_trainer
 
 pytestmark = pytest.mark.trainer
-HERE = ROOT / "tests"
 
 
 def fp8(**options) -> tuple[str, str]:
@@ -82,7 +81,7 @@ def test_two_fsdp2_ranks_train_exactly_as_with_the_sentinel_off(tmp_path):
     """On: FP8 all-gather and full activation checkpointing too (the checked weights arrive FP8,
     the forward runs twice); off: neither (both are bit-exact, docs/measurements.md)."""
     fsdp2 = ("--parallelism.data_parallel_shard_degree", "2")
-    env = {"PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE)])}  # tests/support/full_activation_checkpointing.py
+    env = {"PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)])}  # tests/support/full_activation_checkpointing.py
     on, log = run_trainer(
         "llama3",
         "llama3_debugmodel",
