@@ -37,7 +37,7 @@ from ..results import document, load_document
 from .baseline import BaselineMismatch, check_baseline, mismatches, pair, refuse_mismatches
 from .judge import compare_with_baseline, judge
 from ...integrations.torchtitan import TrainerLine, trainer_line
-from ...integrations.torchtitan.common.trainer import FP8_OPTIONS_ENV
+from ...integrations.torchtitan.common.trainer import RunSpec
 
 __all__ = [
     "ConfigPlan",
@@ -184,20 +184,19 @@ def run_trainer(line, plan: ConfigPlan, role: str, seed: int, nproc: int, work: 
     metrics, log_path = work / f"{tag}.metrics.jsonl", work / f"{tag}.log"
     metrics.unlink(missing_ok=True)
     cmd = _trainer_command(line, plan, role, seed, nproc, work / tag, on_gpu)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TITAN_PRIMUS_VALIDATE_METRICS": str(metrics)}
-    env.update(line.run_env(_fp8(role)))
+    spec = RunSpec(
+        metrics=str(metrics),
+        fp8=_fp8(role),
+        fp8_options=plan.fp8_options if _fp8(role) else {},
+        last_bit=role == "last_bit_floor",
+        cpu_launcher=None if on_gpu else str(line.cpu_launcher),
+    )
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **spec.env()}
     env.setdefault("OMP_NUM_THREADS", "1")
-    if _fp8(role):
-        env[FP8_OPTIONS_ENV] = json.dumps(plan.fp8_options)
-    if role == "last_bit_floor":
-        env["TITAN_PRIMUS_VALIDATE_LAST_BIT"] = "1"
-    if not on_gpu:
-        env["TITAN_PRIMUS_VALIDATE_CPU_LAUNCHER"] = str(line.cpu_launcher)
     module, config = line.run_names(plan, _fp8(role))
     run = {"module": module, "config": config, "seed": seed}
-    shown = {**line.run_env(_fp8(role)), **({FP8_OPTIONS_ENV: env[FP8_OPTIONS_ENV]} if _fp8(role) else {})}
-    settings = " ".join(f"{k}={shlex.quote(v)}" for k, v in shown.items())  # part of the command
-    command = f"{settings} {shlex.join(cmd)}" if settings else shlex.join(cmd)
+    # The spec is part of the command: the line printed runs the same trainer run.
+    command = " ".join([*(f"{k}={shlex.quote(v)}" for k, v in spec.env().items()), shlex.join(cmd)])
     run.update(
         last_bit=role == "last_bit_floor", command=command, steps=[], routing=None, routing_data=None, status="ok"
     )

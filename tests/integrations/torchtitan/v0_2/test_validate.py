@@ -139,7 +139,6 @@ def test_the_mi300x_job_validates_tomls_this_line_takes():
 
     from titan_primus.cli import build_parser
     from titan_primus.diagnostics.validate.run import plans
-    from titan_primus.integrations.torchtitan.common.trainer import CONVERTER_ENV
     from titan_primus.integrations.torchtitan.v0_2.trainer import Line02
 
     script = (ROOT / "ci" / "mi300x-image.sh").read_text().replace("\\\n", " ").splitlines()
@@ -169,7 +168,6 @@ def test_the_mi300x_job_validates_tomls_this_line_takes():
         assert fp8[fp8.index("--job.config_file") + 1] == str(ROOT / toml)
         assert "--titan_primus.recipe" in fp8 and "--titan_primus.recipe" not in bf16
         assert "--model.hf_assets_path" in fp8  # the debug model trains on the shipped tokenizer there too
-    assert trainer.run_env(True) == {CONVERTER_ENV: "on"} and trainer.run_env(False) == {CONVERTER_ENV: "off"}
 
 
 @pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
@@ -179,7 +177,7 @@ def test_a_stock_toml_gets_the_converter_in_the_fp8_runs_only(fp8, tmp_path, mon
     from torchtitan.config import ConfigManager
 
     from titan_primus.diagnostics.validate.run import ConfigPlan
-    from titan_primus.integrations.torchtitan.common.trainer import CONVERTER_ENV
+    from titan_primus.integrations.torchtitan.common.trainer import RunSpec
     from titan_primus.integrations.torchtitan.v0_2.trainer import Line02
 
     text = (ROOT / TOML).read_text()
@@ -197,8 +195,7 @@ def test_a_stock_toml_gets_the_converter_in_the_fp8_runs_only(fp8, tmp_path, mon
 
     monkeypatch.setattr(ConfigManager, "parse_args", ConfigManager.parse_args)  # restored afterwards
     monkeypatch.setattr(Float8Converter, "__init__", Float8Converter.__init__)
-    monkeypatch.setenv(CONVERTER_ENV, line.run_env(fp8)[CONVERTER_ENV])
-    line.install_hooks(lambda entry: None, lambda model: 0, metrics=False, last_bit=False)
+    line.install_hooks(RunSpec(fp8=fp8), lambda entry: None, lambda model: 0)
     config = ConfigManager().parse_args(line.trainer_args(plan, fp8, 42, tmp_path / "dump", on_gpu=False))
     assert config.model.converters == (["another", "titan_primus.float8"] if fp8 else ["another"])
     assert config.titan_primus.recipe == ("tensorwise" if fp8 else "rowwise")

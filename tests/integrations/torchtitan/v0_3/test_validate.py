@@ -91,6 +91,10 @@ def test_quick_run_as_installed_passes_and_records_every_step(quick):
         assert [s["step"] for s in run["steps"]] == list(range(1, QUICK_STEPS + 1)), role
         assert all(s["tps"] > 0 and s["memory_bytes"] > 0 and s["grad_norm"] > 0 for s in run["steps"]), role
         assert "torch.distributed.run" in run["command"]
+        # The run's one spec leads its command, as the child got it (RunSpec).
+        spec = json.loads(shlex.split(run["command"])[0].removeprefix("TITAN_PRIMUS_VALIDATE_RUN="))
+        assert (spec["fp8"], spec["last_bit"]) == (role in ("fp8", "last_bit_floor"), role == "last_bit_floor"), spec
+        assert spec["cpu_launcher"].endswith("v0_3/launch.py") and spec["metrics"].endswith(".metrics.jsonl")
         # The trainer ran the installed package's launcher, not the clone's.
         assert str(installed / "titan_primus" / "diagnostics" / "validate" / "launch.py") in run["command"], run[
             "command"
@@ -449,11 +453,11 @@ def test_under_pipeline_parallelism_the_steps_come_from_the_last_stage(tmp_path)
     from titan_primus.integrations.torchtitan.common import debug_data
     from titan_primus.integrations.torchtitan.v0_3.trainer import LAUNCHER
     from titan_primus.diagnostics.validate import run as command
-    from titan_primus.diagnostics.validate.launch import CPU_LAUNCHER_ENV, METRICS_ENV
+    from titan_primus.integrations.torchtitan.common.trainer import RunSpec
 
     metrics = tmp_path / "metrics.jsonl"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    env.update({METRICS_ENV: str(metrics), CPU_LAUNCHER_ENV: str(LAUNCHER)})
+    env.update(RunSpec(metrics=str(metrics), cpu_launcher=str(LAUNCHER)).env())
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     cmd += [str(command.LAUNCH_SCRIPT), "--module", "llama3", "--config", "llama3_debugmodel"]
     cmd += ["--hf_assets_path", str(debug_data.TOKENIZER), "--dataloader.dataset_path", str(debug_data.CORPUS)]

@@ -16,8 +16,9 @@ weights get their last-bit flip, and how the trainer is started.
 
 On both lines the steps are recorded on the rank TorchTitan itself logs metrics from
 (``_get_metrics_rank``: under pipeline parallelism the first rank of the last stage, the one
-that holds the loss), and the FP8-only options (``FP8_OPTIONS_ENV``) are set on the converter's
-options as it is built, so the bf16 runs never see them.
+that holds the loss), and the FP8-only options (:attr:`RunSpec.fp8_options`) are set on the
+converter's options as it is built, so the bf16 runs never see them. What validate tells a run is
+one :class:`RunSpec`, in one environment variable.
 """
 
 from __future__ import annotations
@@ -25,25 +26,22 @@ from __future__ import annotations
 import json
 import os
 from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import ModuleType
 
 from . import debug_data
 
 __all__ = [
-    "CONVERTER_ENV",
-    "FP8_OPTIONS_ENV",
+    "RUN_SPEC_ENV",
+    "RunSpec",
     "TrainerLine",
     "common_args",
-    "fp8_options",
     "recording_logger",
     "record_routing",
 ]
 
-# On 0.2.x, whether a run trains with titan-primus's converter (set by validate for every run).
-CONVERTER_ENV = "TITAN_PRIMUS_VALIDATE_CONVERTER"
-# The converter options of the FP8 runs only (a JSON object of ConversionOptions fields).
-FP8_OPTIONS_ENV = "TITAN_PRIMUS_VALIDATE_FP8_OPTIONS"
+RUN_SPEC_ENV = "TITAN_PRIMUS_VALIDATE_RUN"
 METRIC_KEYS = {
     "loss": "loss_metrics/global_avg_loss",
     "grad_norm": "grad_norm",
@@ -52,9 +50,32 @@ METRIC_KEYS = {
 }
 
 
-def fp8_options() -> dict:
-    """The FP8-only converter options validate handed this run (empty for the bf16 runs)."""
-    return json.loads(os.environ.get(FP8_OPTIONS_ENV) or "{}")
+@dataclass(frozen=True, kw_only=True)
+class RunSpec:
+    """What ``titan-primus validate`` tells one trainer run (the torchrun child): one JSON object
+    in one environment variable (:data:`RUN_SPEC_ENV`), which the run's recorded command shows.
+    Outside validate there is none, and a run is TorchTitan's own."""
+
+    metrics: str | None = None
+    """The file each rank appends its records to, as JSON lines (the steps' metrics from the rank
+    that holds the loss; the routing and the last-bit count from rank 0); None: nothing recorded."""
+    fp8: bool = False
+    """An FP8 run. TorchTitan 0.2.x: the job gets titan-primus's converter (the bf16 runs have it
+    removed); 0.3: the run's config is already the FP8 one (``--module titan_primus``)."""
+    fp8_options: dict = field(default_factory=dict)
+    """Converter options of the FP8 runs only (ConversionOptions fields)."""
+    last_bit: bool = False
+    """Flip the lowest mantissa bit of every initial weight (the last-bit floor's run)."""
+    cpu_launcher: str | None = None
+    """The line's CPU launcher, imported before anything else of TorchTitan (a CPU run)."""
+
+    def env(self) -> dict[str, str]:
+        return {RUN_SPEC_ENV: json.dumps(asdict(self), sort_keys=True)}
+
+    @classmethod
+    def from_env(cls) -> RunSpec:
+        spec = os.environ.get(RUN_SPEC_ENV)
+        return cls(**json.loads(spec)) if spec else cls()
 
 
 def recording_logger(base_logger_cls, record):
@@ -124,9 +145,6 @@ class TrainerLine(ABC):
     @abstractmethod
     def trainer_args(self, plan, fp8: bool, seed: int, dump: Path, on_gpu: bool) -> list[str]: ...
 
-    def run_env(self, fp8: bool) -> dict[str, str]:
-        return {}
-
     seams: ModuleType
     """The line's seams.py."""
 
@@ -143,9 +161,9 @@ class TrainerLine(ABC):
         ...
 
     @abstractmethod
-    def install_hooks(self, record, flip_last_bit, metrics: bool, last_bit: bool):
-        """Inside the trainer process: install the hooks; returns the function that trains (its
-        exit code)."""
+    def install_hooks(self, spec: RunSpec, record, flip_last_bit):
+        """Inside the trainer process: install the hooks ``spec`` asks for; returns the function
+        that trains (its exit code)."""
         ...
 
 

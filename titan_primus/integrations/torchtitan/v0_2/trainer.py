@@ -5,11 +5,10 @@ holds the patches)."""
 
 from __future__ import annotations
 
-import os
 import tomllib
 from pathlib import Path
 
-from ..common.trainer import CONVERTER_ENV, TrainerLine, common_args, fp8_options, record_routing
+from ..common.trainer import RunSpec, TrainerLine, common_args, record_routing
 from . import seams
 
 __all__ = ["LINE", "Line02"]
@@ -68,15 +67,12 @@ class Line02(TrainerLine):
         args += common_args(plan, seed, on_gpu, "--model.hf_assets_path", "--training.dataset_path")
         return args + ["--validation.no-enable", "--job.dump_folder", str(dump)]
 
-    def run_env(self, fp8):
-        return {CONVERTER_ENV: "on" if fp8 else "off"}
-
-    def install_hooks(self, record, flip_last_bit, metrics, last_bit):
+    def install_hooks(self, spec: RunSpec, record, flip_last_bit):
         from torchtitan.train import Trainer, main
 
         # TorchTitan 0.2's command line cannot empty a list (model.converters), so the converter
         # is added or removed once the config is parsed; the user's other converters stay.
-        fp8 = os.environ.get(CONVERTER_ENV) == "on"
+        fp8 = spec.fp8
 
         def with_converter(config):
             converters = [c for c in config.model.converters if c != Line02.CONVERTER]
@@ -87,7 +83,7 @@ class Line02(TrainerLine):
         if fp8:
             from .converter import Float8Converter
 
-            options, init = fp8_options(), Float8Converter.__init__
+            options, init = spec.fp8_options, Float8Converter.__init__
 
             def init_with_options(self, job_config, parallel_dims):
                 for name, value in options.items():
@@ -95,12 +91,12 @@ class Line02(TrainerLine):
                 init(self, job_config, parallel_dims)
 
             Float8Converter.__init__ = init_with_options
-            if metrics:
+            if spec.metrics:
                 record_routing(Float8Converter, "convert", record)
-        if metrics:
+        if spec.metrics:
             self.record_step_metrics(record)
         trainer_cls = Trainer
-        if last_bit:
+        if spec.last_bit:
 
             class LastBitTrainer(Trainer):
                 """Trainer.__init__ initialises the model parts (init_weights) and loads nothing

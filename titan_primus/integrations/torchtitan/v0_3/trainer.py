@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..common.trainer import TrainerLine, common_args, fp8_options, record_routing
+from ..common.trainer import RunSpec, TrainerLine, common_args, record_routing
 from . import seams
 
 __all__ = ["LINE", "Line03"]
@@ -43,26 +43,24 @@ class Line03(TrainerLine):
         args += common_args(plan, seed, on_gpu, "--hf_assets_path", "--dataloader.dataset_path")
         return args + ["--validator.no-enable", "--dump_folder", str(dump)]
 
-    def install_hooks(self, record, flip_last_bit, metrics, last_bit):
-        import sys
-
-        if "titan_primus" in sys.argv:  # the FP8 runs (--module titan_primus)
+    def install_hooks(self, spec: RunSpec, record, flip_last_bit):
+        if spec.fp8:  # --module titan_primus
             import dataclasses
 
             from .converter import Float8Converter
 
-            options, init = fp8_options(), Float8Converter.__init__
+            options, init = spec.fp8_options, Float8Converter.__init__
 
             def init_with_options(self, config):
                 init(self, dataclasses.replace(config, **options))
 
             Float8Converter.__init__ = init_with_options
-            if metrics:
+            if spec.metrics:
                 # convert() calls it, and the ready configs (config_registry.with_fp8) call it directly.
                 record_routing(Float8Converter, "convert_model", record)
-        if metrics:
+        if spec.metrics:
             self.record_step_metrics(record)
-        if last_bit:
+        if spec.last_bit:
             seams.record_initial_weights(lambda model: record({"last_bit_flipped": flip_last_bit(model)}))
         return self.train
 
