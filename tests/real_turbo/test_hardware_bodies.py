@@ -1,4 +1,4 @@
-"""The MI300 tests' bodies (tests/unit/test_mi300_primus_turbo.py), run here on Primus-Turbo's own
+"""The MI300 tests' bodies (tests/support/mi300_primus_turbo.py, on the GPU through tests/unit/test_mi300_primus_turbo.py), run here on Primus-Turbo's own
 code at every build, on one architecture per build, alternating (conftest.py ``one_arch``: about
 a minute of interpreter time per run, so each architecture is covered by two builds): the same
 functions, collected again, with this tier's ``hardware`` fixture (conftest.py: CPU tensors, the
@@ -8,7 +8,7 @@ run, not first on an MI300X. The compiled one: test_hardware_bodies_compiled.py.
 What cannot run here, and why: docs/ci.md ("Hardware tests")."""
 
 from real_turbo.conftest import one_arch
-from unit.test_mi300_primus_turbo import (  # noqa: F401  (collected here with this tier's fixtures)
+from support.mi300_primus_turbo import (  # noqa: F401  (collected here with this tier's fixtures)
     test_any_number_of_tokens,
     test_contiguous_b_t_runs_without_transposition,
     test_dense_contraction_edges,
