@@ -228,9 +228,10 @@ class ConversionReport:
     token_dispatch: dict[str, Verdict] = field(default_factory=dict)
     """Per FP8 expert block, with fp8_dispatch on: whether its routed tokens cross the EP
     all-to-all in FP8, and why (not)."""
-    tied: dict[str, str] = field(default_factory=dict)
-    """FP8 layers whose weight FSDP2 gathers in high precision although their op's weights go in
-    FP8, because another module shares it: fqn -> reason."""
+    gathered_in_high_precision: dict[str, str] = field(default_factory=dict)
+    """FP8 layers whose weights FSDP2 gathers in high precision although their op's weights go
+    in FP8 (another module shares the weight; FSDP2's shards of it do not hold whole rows or
+    blocks): fqn -> reason."""
     attention: list[AttentionRoute] = field(default_factory=list)
     """Every attention layer, with the ``attention`` or ``fp8_attention`` option on."""
 
@@ -275,6 +276,12 @@ class ConversionReport:
                 lines += [f"    passed over {name}: {why}" for name, why in decision.passed_over]
                 if kind == "experts":
                     lines.append(f"    under expert parallelism: {decision.recipe.expert_parallel_scope()}")
+                slower = decision.backend.slower_than_bf16(op, decision.recipe, self.device)
+                if slower:
+                    lines.append(
+                        f"    not faster than bf16 here: {slower}; FP8 saves memory, not time: "
+                        f"{'grouped_experts' if kind == 'experts' else 'linears'}=False keeps them in bf16"
+                    )
             by_reason: dict[str, list[str]] = defaultdict(list)
             for route in self.skipped(kind):
                 by_reason[route.reason].append(route.fqn)
@@ -286,7 +293,7 @@ class ConversionReport:
                 lines.append(f"  {label}: FSDP2 weight all-gather in {how}: {verdict.reason}")
                 lines += [
                     f"    except {fqn}, in bf16: {why}"
-                    for fqn, why in self.tied.items()
+                    for fqn, why in self.gathered_in_high_precision.items()
                     if any(r.fqn == fqn for r in self.converted(kind))
                 ]
         lines += self._token_dispatch_lines()
@@ -360,23 +367,38 @@ class LayerRouter:
         )
         return self._record(fqn, "experts", decision, kept)
 
-    def fp8_all_gather(self, op: Op, fqn: str | None = None, shared_with: str | None = None) -> bool:
+    def fp8_all_gather(
+        self,
+        op: Op,
+        fqn: str | None = None,
+        shared_with: str | None = None,
+        sharded: tuple[tuple[int, ...], int, int] | None = None,
+    ) -> bool:
         """Whether FSDP2 all-gathers the FP8 weights of ``op`` as FP8 (the option is on and
-        that is exact here), recorded with the reason in the report. ``shared_with``: the module
-        that shares the weight of the layer at ``fqn`` (tied weights), which then keeps its
-        high-precision all-gather: the other module reads its values."""
+        that is exact here), recorded with the reason in the report. For the layer at ``fqn``:
+        ``shared_with`` names the module that shares its weight (tied weights), which then keeps
+        its high-precision all-gather (the other module reads its values); ``sharded`` = (weight
+        shape, the dim FSDP2 shards it on, FSDP degree), where known, keeps in high precision a
+        weight whose shards do not hold whole rows or blocks."""
         if not self.options.enable_fsdp_float8_all_gather:
             return False
-        if op not in self.report.fp8_all_gather:
-            decision = self.decision(op)
-            self.report.fp8_all_gather[op] = fp8_all_gather_plan(decision.backend, decision.recipe, op)[1]
-        if self.report.fp8_all_gather[op] and shared_with:
-            self.report.tied[fqn] = (
+        decision = self.decision(op)
+        plan, verdict = fp8_all_gather_plan(decision.backend, decision.recipe, op)
+        self.report.fp8_all_gather.setdefault(op, verdict)
+        if plan is None:
+            return False
+        why = None
+        if shared_with:
+            why = (
                 f"its weight is tied to {shared_with}, which reads it in high precision; "
                 f"the FP8 GEMM quantizes the gathered weight as without the option"
             )
+        elif sharded is not None:
+            why = plan.shard_refusal(*sharded)
+        if why:
+            self.report.gathered_in_high_precision[fqn] = why
             return False
-        return bool(self.report.fp8_all_gather[op])
+        return True
 
     def token_dispatch(self, fqn: str, recipe, *, unsupported: str | None = None) -> bool:
         """Whether the routed tokens of the FP8 expert block at ``fqn`` (running ``recipe``)

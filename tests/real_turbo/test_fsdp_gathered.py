@@ -1,6 +1,8 @@
 """FSDP2's FP8 weight all-gather on Primus-Turbo's own code, one process: a weight quantized as an
 FSDP2 rank quantizes it, then what the backend builds from the gathered payload, gives the output
-and gradients of the plain bf16 weight, bit for bit, eager and compiled, linear and experts."""
+and gradients of the plain bf16 weight, bit for bit, eager and compiled, linear and experts
+(blockwise: the 128x128 weight blocks and their scale_inv, as ``quant_fp8_blockwise_for_weight_impl``
+makes them, which its GEMMs take for the forward and the transposed dgrad alike)."""
 
 import pytest
 import torch
@@ -34,7 +36,7 @@ def _gathered(backend, made, plan, weight):
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
 def test_gathered_linear_weight_gives_exactly_the_normal_path(recipe, compiled):
     backend, made, plan = _backend_and_plan(recipe, "linear")
     generator = torch.Generator().manual_seed(0)
@@ -49,7 +51,7 @@ def test_gathered_linear_weight_gives_exactly_the_normal_path(recipe, compiled):
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
 def test_gathered_expert_weights_give_exactly_the_normal_path(recipe, compiled):
     backend, made, plan = _backend_and_plan(recipe, "grouped_mm")
     generator = torch.Generator().manual_seed(0)
@@ -64,7 +66,7 @@ def test_gathered_expert_weights_give_exactly_the_normal_path(recipe, compiled):
     assert type(gathered[2]) is torch.Tensor and torch.equal(gathered[2], plain[2])
 
 
-@pytest.mark.parametrize("recipe, fp8", [("tensorwise", True), ("rowwise", True), ("blockwise", False)])
+@pytest.mark.parametrize("recipe, fp8", [("tensorwise", True), ("rowwise", True), ("blockwise", True)])
 def test_where_primus_turbo_takes_the_fp8_gathered_weight(recipe, fp8):
     backend = tp.registry.get_backend("primus_turbo")
     made = backend.recipe_for(recipe, tp.device_profile(ARCH))
@@ -80,11 +82,14 @@ def test_where_primus_turbo_takes_the_fp8_gathered_weight(recipe, fp8):
     reason="the newest build on one arch only (minutes "
     "under the interpreter); the one-process tests above cover the gathered weight everywhere",
 )
-def test_two_rank_fsdp2_fp8_all_gather_changes_no_bit():
-    """2 FSDP2 ranks (gloo), the MoE debug model on Primus-Turbo, rowwise, an AdamW step: loss,
-    gradients and updated weights bitwise equal with FP8 and bf16 all-gather of every FP8 weight."""
+@pytest.mark.parametrize("recipe", ["rowwise", "blockwise"])
+def test_two_rank_fsdp2_fp8_all_gather_changes_no_bit(recipe):
+    """2 FSDP2 ranks (gloo), the MoE debug model on Primus-Turbo, an AdamW step: loss, gradients
+    and updated weights bitwise equal with FP8 and bf16 all-gather of every FP8 weight (blockwise:
+    every weight Primus-Turbo runs is whole 128-row blocks per rank, so none gathers bf16)."""
     from support.ranks import every_rank, torchrun_script
 
-    for r in every_rank(torchrun_script("fsdp_fp8_all_gather.py", "deepseek_v3", "rowwise", ARCH, "primus_turbo", "1")):
+    for r in every_rank(torchrun_script("fsdp_fp8_all_gather.py", "deepseek_v3", recipe, ARCH, "primus_turbo", "1")):
         assert r["bitwise_equal"] == {"loss": True, "grads": True, "weights": True}, r
         assert r["fp8_gathered_weights"]["linears"] > 0 and r["fp8_gathered_weights"]["experts"] == 15, r
+        assert r["high_precision_gathers"] == 0, r

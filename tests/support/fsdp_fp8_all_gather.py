@@ -48,7 +48,7 @@ if backend == "primus_turbo":
     tp.registry.refresh()
 world = dist.get_world_size()
 
-gathered = {"collective": 0, "fp8_hooks": 0, "amax_all_reduces": 0}
+gathered = {"collective": 0, "fp8_hooks": 0, "amax_all_reduces": 0, "high_precision": 0, "fp8_by_shard_dim": {}}
 _all_gather_single, _all_reduce = dist.all_gather_single, dist.all_reduce
 
 
@@ -73,8 +73,12 @@ def _counting_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_po
     inputs, metadata = _pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy)
     gathered["fp8_hooks"] += world * sum(t.numel() * t.element_size() for t in inputs)
     scales = metadata[0]
-    if isinstance(scales, torch.Tensor) and scales.dim():  # rowwise scales gathered on their own (uneven rows)
-        gathered["fp8_hooks"] += world * -(-outer_size[0] // world) * (scales.numel() // outer_size[0]) * 4
+    if isinstance(scales, torch.Tensor) and scales.dim():  # row or block scales gathered on their own (uneven rows)
+        gathered["fp8_hooks"] += world * -(-scales.shape[0] // world) * scales[0].numel() * 4
+    gathered["high_precision"] += metadata[0] == "high precision"
+    if metadata[0] != "high precision":  # an FP8 gather, by the dim FSDP2 shards the weight on
+        dim = str(next((d for d, (a, b) in enumerate(zip(self.shape, outer_size)) if a != b), 0))
+        gathered["fp8_by_shard_dim"][dim] = gathered["fp8_by_shard_dim"].get(dim, 0) + 1
     return inputs, metadata
 
 
@@ -125,7 +129,7 @@ for fp8_all_gather in (False, True):
     model, optimizer = sharded(fp8_all_gather)
     losses, grads, bytes_per_step = [], [], []
     for tokens in batches:
-        gathered.update(collective=0, fp8_hooks=0, amax_all_reduces=0)
+        gathered.update(collective=0, fp8_hooks=0, amax_all_reduces=0, high_precision=0, fp8_by_shard_dim={})
         logits = model(tokens[:, :-1])
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
         loss.backward()
@@ -155,11 +159,18 @@ for fp8_all_gather in (False, True):
 
 def uneven_and_empty_rows() -> dict[int, str]:
     """One FP8 linear alone in its FSDP2 group, its weight [N, 256] with N = world - 1 and world + 1
-    (some ranks hold no row) and 2 * world + 1 (an uneven last shard): forward and weight gradient
-    with the FP8 all-gather against the bf16 one, bit for bit, for each N."""
+    (some ranks hold no row) and 2 * world + 1 (an uneven last shard); block-scaled recipes: N =
+    128 * world - 1 (whole 128-row blocks, the last one partial), 128 * world + 1 and
+    128 * (world - 1) (shards of other sizes: high precision). Forward and weight gradient with
+    the FP8 all-gather against the bf16 one, bit for bit, for each N, and how the weight went
+    (``fp8`` or ``high precision``)."""
     x = torch.randn(8, 256, generator=torch.Generator().manual_seed(5))
     found = {}
-    for rows in (world - 1, world + 1, 2 * world + 1):
+    block_scaled = next(fp8_modules(build(configs[True], seed=0))).fp8_recipe.block_scaled
+    all_rows = (
+        (128 * world - 1, 128 * world + 1, 128 * (world - 1)) if block_scaled else (world - 1, world + 1, 2 * world + 1)
+    )
+    for rows in all_rows:
         runs = []
         for fp8 in (False, True):
             linear = build(configs[False], seed=0).layers["0"].feed_forward.w1
@@ -167,6 +178,7 @@ def uneven_and_empty_rows() -> dict[int, str]:
             if fp8:
                 linear.use_fp8_all_gather()
             fully_shard(linear, mp_policy=mp)
+            gathered["high_precision"] = 0
             try:
                 out = linear(x)
                 out.float().square().mean().backward()
@@ -177,7 +189,8 @@ def uneven_and_empty_rows() -> dict[int, str]:
         if len(runs) == 2:
             (out_bf16, grad_bf16), (out_fp8, grad_fp8) = runs
             equal = torch.equal(out_bf16, out_fp8) and torch.equal(grad_bf16, grad_fp8)
-            found[rows] = "equal" if equal else "different"
+            how = "high precision" if gathered["high_precision"] else "fp8"
+            found[rows] = f"{'equal' if equal else 'different'}, {how}"
     return found
 
 
@@ -200,6 +213,9 @@ print_every_rank(
         # all of each step's all-gathers, and the FP8 weights' alone, gathered in bf16 and in FP8
         "all_gathered_bytes": {"bf16": off, "fp8": on},
         "fp8_weight_bytes": {"bf16": bf16_payload, "fp8": fp8_payload},
+        # FP8 layers' weights gathered in high precision after all, in the last step
+        "high_precision_gathers": b1[-1]["high_precision"],
+        "fp8_gathers_by_shard_dim": b1[-1]["fp8_by_shard_dim"],
         "uneven_and_empty_rows": uneven_and_empty_rows() if "shapes" in options else None,
     }
 )

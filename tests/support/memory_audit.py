@@ -30,12 +30,14 @@ NOT_RUN = {
 
 
 def fp8_gathered(backend: str, device: str, op: str, recipe: str) -> bool:
-    """Where FSDP2 all-gathers the weight in FP8 (elsewhere in bf16): tensorwise, and rowwise as
+    """Where FSDP2 all-gathers the weight in FP8 (elsewhere in bf16): tensorwise, rowwise as
     Primus-Turbo defines it (on MI300-class devices; exact: its backward re-quantizes the weight
-    from its forward FP8 copy); never into TorchAO's grouped GEMM, which quantizes B_t itself."""
-    if backend == "torchao" and op == "grouped_mm":
+    from its forward FP8 copy), and blockwise (square weight blocks serve both GEMMs) where the
+    backend takes FP8 blocks (not TorchAO's); never into TorchAO's grouped GEMM, which quantizes
+    B_t itself."""
+    if backend == "torchao" and (op == "grouped_mm" or recipe == "blockwise"):
         return False
-    return recipe == "tensorwise" or (device.startswith("gfx") and recipe == "rowwise")
+    return recipe in ("tensorwise", "blockwise") or (device.startswith("gfx") and recipe == "rowwise")
 
 
 def cases(backends=BACKENDS):

@@ -347,6 +347,18 @@ def test_bench_quick_on_cpu_says_what_cpu_figures_mean(results):
         assert row["ms"] > 0 and row["tflops"] > 0 and row["fraction_of_peak"] is None
         assert (row["speedup_vs_bf16"] is None) == (row["backend"] == "bf16")
     assert all(r["reason"] for r in doc["results"] if r["status"] == "skipped")
+    # Stock TorchAO beside the torchao backend, on the linears it defines (its grouped GEMM runs
+    # no CPU kernel: the backend's row is skipped here, and so no stock row).
+    stock = [r for r in doc["results"] if r.get("stock_of")]
+    assert [(r["op"], r["backend"], r["recipe"]) for r in stock] == [("linear", "torchao (stock)", "rowwise")]
+    for row in stock:
+        assert row["stock_path"] == "TorchAO convert_to_float8_training" and row["status"] == "ok", row
+        assert row["titan_primus_vs_stock"] > 0 and isinstance(row["bitwise_equal_to_titan_primus"], bool)
+    assert all("stock_of" not in r for r in doc["results"] if r["backend"] != "torchao (stock)")
+    assert (
+        "tp/stock" in results["bench_out"]
+        and "torchao (stock): TorchAO convert_to_float8_training" in (results["bench_out"])
+    )
 
 
 def test_attention_flops_follow_flash_attentions_convention():

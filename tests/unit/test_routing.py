@@ -282,3 +282,25 @@ def test_entry_point_autoload_can_be_disabled(monkeypatch):
         assert calls == ["titan_primus"]
     finally:
         tp.registry.plugin_manager.cache_clear()
+
+
+@pytest.mark.parametrize("gpu, slower", [("NVIDIA H200", True), ("NVIDIA H100 80GB HBM3", False)])
+def test_the_report_says_where_fp8_experts_measured_no_faster_than_bf16(gpu, slower, monkeypatch):
+    """On an H200 TorchAO's rowwise grouped GEMM measured 1.00x bf16 compiled (0.83x-0.90x eager):
+    the routing report says so there, with how to keep experts in bf16; nothing was measured on
+    an H100, so nothing is said."""
+    import dataclasses
+
+    from titan_primus import conversion
+
+    profile = dataclasses.replace(tp.device_profile("sm90"), name=gpu)
+    monkeypatch.setattr(conversion, "resolve_device", lambda device: profile)
+    router = conversion.LayerRouter(conversion.ConversionOptions(recipe="rowwise"))
+    router.linear("layers.0.wq", 256, 256)
+    router.experts("layers.1.moe.experts", 256, 512)
+    summary = router.report.summary()
+    assert ("grouped experts: 1 -> torchao" in summary) and ("linears: 1 -> torchao" in summary), summary
+    line = "not faster than bf16 here: TorchAO's rowwise FP8 grouped GEMM measured 1.00x bf16 compiled"
+    assert (line in summary) == slower, summary
+    assert ("grouped_experts=False keeps them in bf16" in summary) == slower
+    assert "linears=False" not in summary

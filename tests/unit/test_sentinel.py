@@ -22,7 +22,7 @@ from titan_primus import cli, sentinel
 from titan_primus.backends.emulated import EmulatedBackend
 from titan_primus.conversion import ConversionOptions
 from titan_primus.fsdp_fp8 import fp8_all_gather_plan, quantize_weight
-from titan_primus.sentinel import FLOOR_DB, SentinelBreach, SentinelOptions, WatchedBackend
+from titan_primus.sentinel import FLOOR_DB, SentinelBreach, SentinelOptions, WatchedBackend, capture
 from titan_primus.torchtitan import Float8Converter, Fp8Linear
 
 TOKENS = torch.randint(0, 2048, (2, 33), generator=torch.Generator().manual_seed(7))
@@ -213,11 +213,14 @@ def test_every_backend_here_passes_its_check(backend, device, ops, recipe):
             assert min(q.sqnr_db for q in check.quantities) >= FLOOR_DB
 
 
-@pytest.mark.parametrize("backend", ["emulated", "torchao"])
-def test_a_weight_fsdp2_gathered_in_fp8_is_checked_as_the_backend_took_it(backend):
-    """The capture keeps the gathered FP8 payload and scale (ours, or TorchAO's Float8TrainingTensor)."""
+@pytest.mark.parametrize(
+    "backend, recipe", [("emulated", "tensorwise"), ("torchao", "tensorwise"), ("emulated", "blockwise")]
+)
+def test_a_weight_fsdp2_gathered_in_fp8_is_checked_as_the_backend_took_it(backend, recipe):
+    """The capture keeps the gathered FP8 payload and scale (ours, or TorchAO's Float8TrainingTensor;
+    blockwise: the 128x128 blocks' scale_inv), and a saved capture restores it as it was."""
     impl = tp.registry.get_backend(backend)
-    made = impl.recipe_for("tensorwise", tp.device_profile("cpu"))
+    made = impl.recipe_for(recipe, tp.device_profile("cpu"))
     plan, verdict = fp8_all_gather_plan(impl, made)
     assert plan is not None, verdict.reason
     inputs = sentinel_inputs("linear", torch.Generator().manual_seed(2))
@@ -230,6 +233,9 @@ def test_a_weight_fsdp2_gathered_in_fp8_is_checked_as_the_backend_took_it(backen
     check = checked_call(WatchedBackend(active, layer), "linear", made, inputs, gathered).checks[0]
     assert check.passed, check.problems
     assert check.bit_exact == (backend == "emulated")
+    if backend == "emulated":
+        restored = capture._restore(capture._operand(gathered), torch.device("cpu"))
+        assert torch.equal(restored.dequantize(), gathered.dequantize()) and restored._block == gathered._block
 
 
 @pytest.mark.parametrize(

@@ -250,3 +250,71 @@ def test_a_torchao_that_moved_its_grouped_gemm_is_told_apart_from_an_old_one(mon
     assert "_moved_upstream" in why and "verified on TorchAO 0.17 to 0.18" in why and ">=0.17" not in why
     monkeypatch.setattr(torchao, "__version__", "0.16.0")
     assert "pip install 'torchao>=0.17'" in backend.TorchAOBackend()._grouped_mm_import_error
+
+
+@pytest.mark.parametrize(
+    "op, recipe, named",
+    [
+        ("linear", "tensorwise", "TorchAO convert_to_float8_training"),
+        ("linear", "rowwise_with_gw_hp", "TorchAO convert_to_float8_training"),
+        ("linear", "mxfp8", None),
+        ("grouped_mm", "rowwise", "TorchAO Float8TrainingOpConfig grouped GEMM"),
+        ("grouped_mm", "tensorwise", None),
+    ],
+)
+def test_stock_torchao_is_named_where_torchao_has_its_own_entry_point(op, recipe, named):
+    backend = tp.registry.get_backend("torchao")
+    stock, verdict = backend.stock_path(op, backend.recipe_for(recipe, tp.device_profile("sm90")))
+    assert (stock.label if stock else None) == named and bool(verdict) == bool(named)
+    assert named or recipe in verdict.reason
+    assert (
+        tp.registry.get_backend("emulated").stock_path(op, backend.recipe_for(recipe, tp.device_profile("cpu")))[0]
+        is None
+    )
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+def test_stock_torchao_linear_gives_the_torchao_backends_bits(recipe, torchao_hardware):
+    """Stock TorchAO's Float8Linear (convert_to_float8_training), given the caller's weight at
+    each call, against the TorchAO backend's linear on the same inputs, one forward and backward:
+    on an SM89+ GPU its kernels (bench compares the same at model shapes), on every CI run
+    TorchAO's CPU path with oneDNN off for both, as the backend keeps it on a CPU (which CPU
+    kernel a GEMM takes is not what is compared)."""
+    hardware = torchao_hardware
+    backend = tp.registry.get_backend("torchao")
+    made = tp.select_backend("linear", recipe, hardware.profile, hardware.backend).recipe
+    stock, _ = backend.stock_path("linear", made)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 512, generator=generator).bfloat16().to(hardware.device)
+    w = (torch.randn(384, 512, generator=generator) * 0.05).bfloat16().to(hardware.device)
+    grad = torch.randn(256, 384, generator=generator).bfloat16().to(hardware.device)
+    got = []
+    for forward in (stock.forward, lambda a, w, offs: backend.linear(a, w, None, made)):
+        a, weight = x.clone().requires_grad_(), w.clone().requires_grad_()
+        with torch.backends.mkldnn.flags(enabled=False):
+            out = forward(a, weight, None)
+            got.append([out, *torch.autograd.grad(out, (a, weight), grad)])
+    assert all(torch.equal(s, b) for s, b in zip(*got)), sqnrs(got[1], got[0])
+
+
+def test_stock_torchao_grouped_gemm_gives_the_torchao_backends_bits(monkeypatch):
+    """Stock TorchAO's FP8 grouped GEMM (``_quantize_then_scaled_grouped_mm`` with a default
+    Float8TrainingOpConfig, as TorchTitan's FP8 MoE converter dispatches it), on TorchAO's own
+    Python with its kernels stood in (tests/support/doubles/torchao_grouped_kernels.py), against
+    the TorchAO backend on aligned groups, as the bench's are: bitwise."""
+    torchao_grouped_kernels.install(monkeypatch)
+    backend = tp.registry.get_backend("torchao")
+    decision = tp.select_backend("grouped_mm", "rowwise", "sm90", "torchao")
+    recipe = with_token_groups_padded_to(decision.recipe, 16)
+    stock, _ = backend.stock_path("grouped_mm", decision.recipe)
+    offs = make_offsets([16, 32, 16, 16])
+    generator = torch.Generator().manual_seed(1)
+    A = torch.randn(80, 64, generator=generator).bfloat16()
+    W = (torch.randn(4, 48, 64, generator=generator) * 0.05).bfloat16()
+    grad = torch.randn(80, 48, generator=generator).bfloat16()
+    got = []
+    for forward in (stock.forward, lambda a, w, offs: backend.grouped_mm(a, w.transpose(-2, -1), offs, recipe)):
+        a, weight = A.clone().requires_grad_(), W.clone().requires_grad_()
+        out = forward(a, weight, offs)
+        got.append([out, *torch.autograd.grad(out, (a, weight), grad)])
+    assert all(torch.equal(s, b) for s, b in zip(*got)), sqnrs(got[1], got[0])

@@ -8,6 +8,7 @@ receive inputs that were already validated.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -16,7 +17,16 @@ import torch
 from ..device import DeviceProfile
 from ..recipes import Fp8Recipe
 
-__all__ = ["AttentionKernels", "Op", "OPS", "Verdict", "Fp8Backend", "TensorParallelShards", "kept_for_gradients"]
+__all__ = [
+    "AttentionKernels",
+    "Op",
+    "OPS",
+    "StockPath",
+    "Verdict",
+    "Fp8Backend",
+    "TensorParallelShards",
+    "kept_for_gradients",
+]
 
 Op = Literal["linear", "grouped_mm"]
 OPS: tuple[Op, ...] = ("linear", "grouped_mm")
@@ -112,6 +122,19 @@ class AttentionKernels(ABC):
         at the int32 ``cu_seqlens`` (the longest ``max_seqlen``); ``window`` (left, right) in
         flash-attention's convention."""
         raise NotImplementedError(f"{type(self).__name__} has no bf16 flash attention")
+
+
+@dataclass(frozen=True)
+class StockPath:
+    """The upstream library's own entry point for an op, as a user of that library alone calls
+    it: the peer ``titan-primus bench`` times beside the backend that wraps it, and whose outputs
+    it compares with the backend's."""
+
+    label: str
+    """What it is, e.g. "TorchAO convert_to_float8_training"."""
+    forward: Callable
+    """``forward(a, w, offs)``: a [M, K]; w [N, K] (a linear's weight) or [E, N, K] (expert
+    weights); offs the groups' int32 end offsets (unused by a linear)."""
 
 
 class Fp8Backend(ABC):
@@ -220,6 +243,17 @@ class Fp8Backend(ABC):
         and GEMM counts count their calls. Ops this backend cannot name here (its library not
         importable) are left out. Default: none."""
         return frozenset()
+
+    def slower_than_bf16(self, op: Op, recipe: Fp8Recipe, device: DeviceProfile) -> str | None:
+        """A measurement of ``op`` on this backend, on ``device``'s model of GPU, where FP8 was no
+        faster than bf16 (the routing report shows it, with how to keep the op in bf16), as "what
+        was measured, how, when"; None where nothing such was measured. Default: none."""
+        return None
+
+    def stock_path(self, op: Op, recipe: Fp8Recipe) -> tuple[StockPath | None, Verdict]:
+        """The upstream library's own entry point for ``op`` and ``recipe`` (bench times it
+        beside this backend), or None with the reason there is none. Default: none."""
+        return None, Verdict.no(f"the {self.name} backend names no stock upstream path")
 
     def takes_gathered_fp8_weight(self, recipe: Fp8Recipe, op: Op = "linear") -> Verdict:
         """Can ``op`` (``linear``'s weight, or ``grouped_mm``'s B_t, a transposed view of expert

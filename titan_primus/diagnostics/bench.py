@@ -244,20 +244,34 @@ def time_ms(step, warmup: int, iters: int, on_gpu: bool) -> float:
     return start.elapsed_time(end) / iters
 
 
-def gemm_step(shape: BenchShape, device: torch.device, forward):
-    """A forward+backward closure of ``forward(a, w, offs)``; w is [N, K] or [E, N, K] like the models'
-    weights, offs the balanced groups' end offsets (unused by a linear)."""
-    a = torch.randn(shape.m, shape.k, device=device, dtype=torch.bfloat16, requires_grad=True)
+def _gemm_inputs(shape: BenchShape, device: torch.device, generator: torch.Generator | None = None):
+    """(a, w, grad, offs): w is [N, K] or [E, N, K] like the models' weights, offs the balanced
+    groups' end offsets (unused by a linear)."""
+    a = torch.randn(shape.m, shape.k, device=device, generator=generator).bfloat16().requires_grad_()
     w_shape = (shape.n, shape.k) if shape.op == "linear" else (shape.groups, shape.n, shape.k)
-    w = (torch.randn(w_shape, device=device) * 0.02).bfloat16().requires_grad_()
-    grad = torch.randn(shape.m, shape.n, device=device, dtype=torch.bfloat16)
+    w = (torch.randn(w_shape, device=device, generator=generator) * 0.02).bfloat16().requires_grad_()
+    grad = torch.randn(shape.m, shape.n, device=device, generator=generator).bfloat16()
     offs = torch.arange(1, shape.groups + 1, device=device, dtype=torch.int32) * (shape.m // shape.groups)
+    return a, w, grad, offs
+
+
+def gemm_step(shape: BenchShape, device: torch.device, forward):
+    """A forward+backward closure of ``forward(a, w, offs)`` (:func:`_gemm_inputs`)."""
+    a, w, grad, offs = _gemm_inputs(shape, device)
 
     def step():
         out = forward(a, w, offs)
         torch.autograd.grad(out, (a, w), grad)
 
     return step
+
+
+def _gemm_results(shape: BenchShape, device: torch.device, forward) -> tuple[torch.Tensor, ...]:
+    """Output, grad_a and grad_w of one forward+backward on inputs drawn from a fixed seed: the
+    same for every path measured on ``shape``, so two paths' results can be compared bit for bit."""
+    a, w, grad, offs = _gemm_inputs(shape, device, torch.Generator(device=device).manual_seed(0))
+    out = forward(a, w, offs)
+    return (out.detach(), *torch.autograd.grad(out, (a, w), grad))
 
 
 def _attention_step(shape: AttentionShape, device: torch.device, forward):
@@ -291,8 +305,17 @@ def _fp8(shape: BenchShape, decision: RoutingDecision):
 
 
 def _measure(
-    row: dict, shape, forward, timing: tuple[int, int], device: torch.device, compile: bool, make_step=gemm_step
-) -> None:
+    row: dict,
+    shape,
+    forward,
+    timing: tuple[int, int],
+    device: torch.device,
+    compile: bool,
+    make_step=gemm_step,
+    results: bool = False,
+) -> tuple[torch.Tensor, ...] | None:
+    """Time ``forward`` into ``row``; ``results``: also return :func:`_gemm_results` of the same
+    (compiled, where ``compile``) forward."""
     if compile:
         # Every measurement's closure shares one code object: without a reset, dynamo's recompile
         # limit would silently send later measurements back to eager.
@@ -300,10 +323,20 @@ def _measure(
         forward = torch.compile(forward)
     try:
         ms = time_ms(make_step(shape, device, forward), *timing, on_gpu=device.type == "cuda")
+        found = _gemm_results(shape, device, forward) if results else None
     except Exception as e:  # one backend breaking must not hide the others' figures
         row.update(status="error", reason=describe_error(e))
-        return
+        return None
     row.update(status="ok", ms=ms, tflops=shape.flops / ms / 1e9)
+    return found
+
+
+def _compare_with_stock(stock_row: dict, row: dict, results, stock_results) -> None:
+    """``stock_row`` (an upstream entry point's, timed) beside ``row`` (the backend that wraps it):
+    the time ratio, and whether the two gave the same bits on the same inputs."""
+    if stock_row["status"] == "ok":
+        stock_row["titan_primus_vs_stock"] = row["ms"] / stock_row["ms"]
+        stock_row["bitwise_equal_to_titan_primus"] = all(torch.equal(x, y) for x, y in zip(results, stock_results))
 
 
 def _against(row: dict, baseline: dict, peak_tflops: float | None) -> None:
@@ -341,8 +374,10 @@ def _device_and_peak(profile: DeviceProfile):
 def run_bench(
     shapes, recipes: list[str], timing: tuple[int, int], profile: DeviceProfile, compile: bool = False, progress=None
 ) -> list[dict]:
-    """One bf16 row and one row per backend and recipe for each shape; ``progress``
-    (:func:`~titan_primus.cli.progress.progress`) is told each shape as it starts."""
+    """One bf16 row and one row per backend and recipe for each shape, and beside a backend's row
+    one of the upstream entry point it wraps, where it names one (``stock_path``: stock TorchAO
+    beside the TorchAO backend), with the time ratio and whether the two give the same bits;
+    ``progress`` (:func:`~titan_primus.cli.progress.progress`) is told each shape as it starts."""
     device, peak = _device_and_peak(profile)
     rows = []
     for shape in shapes:
@@ -362,8 +397,17 @@ def run_bench(
                     continue
                 decision = select_backend(shape.op, recipe, profile, backend.name, k=shape.k, n=shape.n)
                 row["definition"] = decision.recipe.definition
-                _measure(row, shape, _fp8(shape, decision), timing, device, compile)
+                stock, _ = backend.stock_path(shape.op, decision.recipe)
+                results = _measure(row, shape, _fp8(shape, decision), timing, device, compile, results=bool(stock))
                 _against(row, baseline, peak and peak.fp8)
+                if stock is None or row["status"] != "ok":
+                    continue
+                stock_row = _row(shape, f"{backend.name} (stock)", recipe)
+                stock_row.update(definition=row["definition"], stock_of=backend.name, stock_path=stock.label)
+                rows.append(stock_row)
+                stock_results = _measure(stock_row, shape, stock.forward, timing, device, compile, results=True)
+                _against(stock_row, baseline, peak and peak.fp8)
+                _compare_with_stock(stock_row, row, results, stock_results)
         if progress is not None:
             progress.finished()
     return rows

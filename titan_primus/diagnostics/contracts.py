@@ -1,7 +1,7 @@
 """What titan-primus needs of each upstream's symbols, read from the declarations the code itself
 checks (Primus-Turbo: ``release.CALLED_BY_NAME``, checked when it loads; TorchAO:
 ``torchao.linear.LINEAR_SYMBOLS`` and ``GROUPED_MM_NAMES``, checked when the backend is first
-asked whether it can run; TorchTitan: each line's ``seams.SEAMS``, the internals it patches, listed
+asked whether it can run, and ``torchao.stock.STOCK_SYMBOLS``, the stock TorchAO bench times; TorchTitan: each line's ``seams.SEAMS``, the internals it patches, listed
 by ``titan-primus doctor``), and from the code itself: every name each TorchTitan line imports
 from TorchTitan, and every private torch name the package uses (read from the sources' syntax
 trees, so nothing escapes the list), as one table: docs/upgrades.md holds it, generated from here
@@ -55,6 +55,7 @@ def contracts() -> list[Contract]:
     from ..integrations.torchtitan import LINES
     from ..backends.torchao import GROUPED_MM_NAMES, VERIFIED_TORCHAO_GROUPED
     from ..backends.torchao.linear import LINEAR_SYMBOLS, VERIFIED_TORCHAO
+    from ..backends.torchao.stock import STOCK_SYMBOLS
 
     turbo = ", ".join(release.VERIFIED_BUILDS)
     rows = [
@@ -66,6 +67,17 @@ def contracts() -> list[Contract]:
             "TorchAO", f"{module}.{name}", "importable", "titan_primus/backends/torchao/linear.py", VERIFIED_TORCHAO
         )
         for name, module in LINEAR_SYMBOLS.items()
+    ]
+    rows += [
+        Contract(
+            "TorchAO",
+            f"{module}.{name}",
+            "importable where bench times stock TorchAO (probed first)",
+            "titan_primus/backends/torchao/stock.py",
+            "0.18",
+            optional=True,
+        )
+        for name, module in STOCK_SYMBOLS.items()
     ]
     rows += [
         Contract(

@@ -144,6 +144,33 @@ class BenchRow(ResultRow):
         "`tflops` / the dense datasheet peak (FP8 peak for FP8 backends, BF16 for the baseline and for "
         "Primus-Turbo's bf16 attention)",
     )
+    stock_of: str | None = described(
+        "string (stock rows only)",
+        "the backend whose upstream entry point this row times, as a user of that library alone calls it "
+        '(`backend` is `"<stock_of> (stock)"`: stock TorchAO beside the `torchao` backend)',
+        None,
+        omitted_when_none=True,
+    )
+    stock_path: str | None = described(
+        "string (stock rows only)",
+        "that entry point: `TorchAO convert_to_float8_training` (linears), `TorchAO Float8TrainingOpConfig "
+        "grouped GEMM` (`_quantize_then_scaled_grouped_mm`, as TorchTitan's FP8 MoE converter runs it)",
+        None,
+        omitted_when_none=True,
+    )
+    titan_primus_vs_stock: float | None = described(
+        "number (stock rows only)",
+        "the `stock_of` row's ms / this row's ms, same shape and recipe (<1: titan-primus faster)",
+        None,
+        omitted_when_none=True,
+    )
+    bitwise_equal_to_titan_primus: bool | None = described(
+        "bool (stock rows only)",
+        "output, grad_input and grad_weight of one forward+backward on the same seeded inputs are bitwise "
+        "those of the `stock_of` row (compiled where `mode` is `torch.compile`)",
+        None,
+        omitted_when_none=True,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -20,7 +20,16 @@ import torch
 
 from ..recipes import BlockScaleRule
 
-__all__ = ["BlockCells", "segment_keys", "cells_of", "block_amax", "quantize_blocks", "dequantize"]
+__all__ = [
+    "BlockCells",
+    "segment_keys",
+    "cells_of",
+    "block_amax",
+    "quantize_blocks",
+    "dequantize",
+    "quantize_matrices",
+    "dequantize_matrices",
+]
 
 # (mantissa bits, exponent of the largest power of two <= fp8 max) of each OCP FP8 format: the
 # constants of the "even" E8M0 rule (Primus-Turbo FP8E4M3_TARGET_MAX_POW2 = 8, ..._E5M2 = 15).
@@ -159,3 +168,37 @@ def quantize_blocks(
 def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, cells: BlockCells) -> torch.Tensor:
     """The float32 values a block-scaled GEMM multiplies: payload x its cell's scale_inv."""
     return cells.times(data.to(torch.float32), scale_inv)
+
+
+def _stacked(t: torch.Tensor, block_rows: int) -> torch.Tensor:
+    """``t`` [..., R, C] as [matrices, R padded to whole blocks, C]: no block spans two matrices."""
+    rows, cols = t.shape[-2:]
+    padding = -(-rows // block_rows) * block_rows - rows
+    return torch.nn.functional.pad(t.reshape(-1, rows, cols), (0, 0, 0, padding))
+
+
+def quantize_matrices(
+    t: torch.Tensor, fp8_dtype: torch.dtype, rule: BlockScaleRule, block: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cast ``t`` [..., R, C] (leading dims: independent matrices, such as experts) in regular
+    ``block`` cells. Returns (fp8 payload shaped as ``t``, float32 scale_inv
+    [..., ceil(R / block rows), ceil(C / block cols)])."""
+    rows, cols = t.shape[-2:]
+    stacked = _stacked(t, block[0])
+    flat = stacked.reshape(-1, cols)
+    cells = cells_of(tuple(flat.shape), block, t.device)
+    data, scale_inv = quantize_blocks(flat, fp8_dtype, rule, cells)
+    data = data.reshape(stacked.shape)[:, :rows].reshape(t.shape)
+    return data, scale_inv.reshape(*t.shape[:-2], stacked.shape[1] // block[0], cells.n_cols)
+
+
+def dequantize_matrices(data: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """The float32 values a block-scaled GEMM multiplies from :func:`quantize_matrices`'s
+    payload [..., R, C] and scale_inv (each element times its block's scale_inv)."""
+    rows, cols = data.shape[-2:]
+    stacked = _stacked(data.to(torch.float32), block[0])
+    flat = stacked.reshape(-1, cols)
+    values = dequantize(
+        flat, scale_inv.reshape(-1, scale_inv.shape[-1]), cells_of(tuple(flat.shape), block, data.device)
+    )
+    return values.reshape(stacked.shape)[:, :rows].reshape(data.shape)

@@ -14,9 +14,13 @@ have made of the gathered high-precision weight, because
   rounded to ``param_dtype`` like the values (rounding is monotone, so this is the amax of the
   ``param_dtype`` weight);
 - rowwise: a forward scale is per output row (per expert and output row for MoE expert
-  weights [E, N, K]), reduced over K, and FSDP2 shards rows or experts, never K, so each rank's
-  rows carry their whole scale; the scales travel with the payload where FSDP2 can gather them
-  (even dim-0 shards), else the weight is gathered in high precision, with a warning;
+  weights [E, N, K]), reduced over K, and FSDP2 shards rows, experts or an expert's N, never K,
+  so each rank's rows carry their whole scale; the scales travel with the payload where FSDP2
+  can gather them (even dim-0 shards), else in an all-gather of their own;
+- square blocks (``blockwise``'s 128x128, Primus-Turbo's ``mxfp8`` 32x32): one scale per block
+  of the weight (per expert), the same blocks for the forward and for grad_input's transpose;
+  gathered where every shard is whole blocks (the last may be partial), else in high precision,
+  with a warning;
 - a weight is gathered in FP8 only where the backward pass needs nothing but that FP8 copy
   (:func:`fp8_all_gather_plan`), and only on backends that take a pre-quantized weight;
 - MoE expert weights are quantized from the bf16 copy TorchTitan's experts cast them to;

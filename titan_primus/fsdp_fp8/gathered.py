@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_map_only
 
+from ..fp8.blocks import dequantize_matrices
 from ..fp8.scaling import dequantize
 
 __all__ = ["Fp8GatheredWeight"]
@@ -13,8 +14,10 @@ __all__ = ["Fp8GatheredWeight"]
 class Fp8GatheredWeight(torch.Tensor):
     """A gathered FP8 weight as the emulated and Primus-Turbo backends consume it: ``_data``
     (FP8; [N, K], or [E, N, K] for expert weights) and ``_scale`` (float32, [] or broadcastable
-    to ``_data``: [N, 1], [E, N, 1]); it presents itself as the weight in ``dtype``. Autograd
-    treats it as the unsharded parameter; its gradient is a plain tensor.
+    to ``_data``: [N, 1], [E, N, 1]; for square ``block`` x ``block`` scaling blocks, each
+    block's scale_inv, what block-scaled GEMMs multiply by: [ceil(N / block), ceil(K / block)],
+    [E, ...]); it presents itself as the weight in ``dtype``. Autograd treats it as the unsharded
+    parameter; its gradient is a plain tensor.
 
     The views and casts a layer makes of its weight before the GEMM keep it FP8: transposes
     (an expert's ``B_t``), zero padding (the emulation's alignment), and the cast to
@@ -22,14 +25,21 @@ class Fp8GatheredWeight(torch.Tensor):
     dequantized weight."""
 
     @staticmethod
-    def __new__(cls, data, scale, dtype, reciprocal, source_dtype=None):
+    def __new__(cls, data, scale, dtype, reciprocal, source_dtype=None, block=None):
         return torch.Tensor._make_wrapper_subclass(
             cls, data.shape, strides=data.stride(), dtype=dtype, device=data.device
         )
 
-    def __init__(self, data, scale, dtype, reciprocal, source_dtype=None):
+    def __init__(self, data, scale, dtype, reciprocal, source_dtype=None, block: int | None = None):
         self._data, self._scale, self._reciprocal = data, scale, reciprocal
         self._source_dtype = source_dtype or dtype
+        self._block = block
+
+    @staticmethod
+    def for_recipe(data, scale, dtype, recipe, source_dtype=None) -> "Fp8GatheredWeight":
+        """The gathered weight of ``recipe``'s forward weight cast (its square blocks, if any)."""
+        block = recipe.output.b.block[0] if recipe.block_scaled else None
+        return Fp8GatheredWeight(data, scale, dtype, recipe.reciprocal_scales, source_dtype, block)
 
     def _with(self, data=None, scale=None, dtype=None) -> "Fp8GatheredWeight":
         return Fp8GatheredWeight(
@@ -38,29 +48,35 @@ class Fp8GatheredWeight(torch.Tensor):
             dtype or self.dtype,
             self._reciprocal,
             self._source_dtype,
+            self._block,
         )
 
     def dequantize(self) -> torch.Tensor:
         """The weight as the FP8 GEMM sees it, in float32 (exactly what the emulation's own
         cast of the high-precision weight gives; ``reciprocal``: the recipe unscales by
         multiplying with the scale's reciprocal, as Primus-Turbo's kernels do)."""
+        if self._block is not None:
+            return dequantize_matrices(self._data, self._scale, (self._block, self._block))
         return dequantize(self._data, self._scale, self._reciprocal)
 
     def fp8_data(self) -> torch.Tensor:
         return self._data
 
     def scale(self) -> torch.Tensor:
+        """The scale as :func:`~titan_primus.fsdp_fp8.quantize_weight` made it (what
+        ``gathered_weight`` takes back): for square blocks, each block's scale_inv."""
         return self._scale
 
     def scale_inv(self) -> torch.Tensor:
-        """fl(1 / scale) in float32: what kernels that take scale inverses (Primus-Turbo's) receive."""
-        return torch.reciprocal(self._scale)
+        """What kernels that take scale inverses (Primus-Turbo's) receive: fl(1 / scale) in
+        float32, or the blocks' scale_inv as the block quantizer made it."""
+        return self._scale if self._block is not None else torch.reciprocal(self._scale)
 
     def __repr__(self):
         return f"Fp8GatheredWeight(shape={tuple(self.shape)}, dtype={self.dtype}, fp8={self._data.dtype})"
 
     def __tensor_flatten__(self):
-        return ["_data", "_scale"], (self.dtype, self._reciprocal, self._source_dtype)
+        return ["_data", "_scale"], (self.dtype, self._reciprocal, self._source_dtype, self._block)
 
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
@@ -111,7 +127,10 @@ class Fp8GatheredWeight(torch.Tensor):
             )
         ):
             return self._with(dtype=self._source_dtype)
-        if func is aten.constant_pad_nd.default and (args[2] if len(args) > 2 else 0) == 0 and min(args[1]) >= 0:
+        pad_value = args[2] if len(args) > 2 else 0
+        # Block scales would need new blocks for new rows: padded block-scaled weights (no
+        # backend pads one) see the dequantized weight.
+        if func is aten.constant_pad_nd.default and pad_value == 0 and min(args[1]) >= 0 and self._block is None:
             return self._zero_padded(args[1])
         return None
 

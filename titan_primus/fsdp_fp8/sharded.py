@@ -108,11 +108,11 @@ class Fp8AllGatherWeight(torch.Tensor):
         param_dtype = mp_policy.param_dtype or self._tensor.dtype
         shard_dim = next((d for d, (a, b) in enumerate(zip(self.shape, outer_size)) if a != b), 0)
         padded_rows = -(-outer_size[0] // world) if shard_dim == 0 else self.shape[0]  # FSDP2 pads dim 0 only
-        high_precision = _why_high_precision(plan, outer_size, shard_dim, world) or _shared_with(module)
+        high_precision = plan.shard_refusal(tuple(outer_size), shard_dim, world) or _shared_with(module)
         if high_precision:
             _warn_high_precision(tuple(outer_size), high_precision)
             shard = _pad_rows(self._tensor.to(param_dtype), padded_rows)
-            return (shard,), (_HIGH_PRECISION, tuple(outer_size), None, shard.dtype)
+            return (shard,), (_HIGH_PRECISION, tuple(outer_size), None, None, shard.dtype)
         _announce()  # once: the log shows the FP8 all-gather ran
         # Quantized from the values the GEMM would receive: FSDP2 casts to param_dtype, the layer
         # may cast again (expert weights to bf16); rounding is monotone, so the amax follows.
@@ -132,22 +132,28 @@ class Fp8AllGatherWeight(torch.Tensor):
         # group) a float8 buffer, which gloo cannot all-gather ("Invalid scalar type").
         payload = data.view(torch.uint8)
         shape = tuple(outer_size)
+        scale_shape = plan.scale_shape(shape)
+        metadata = (shape, scale_shape, dtypes[1], data.dtype)
         if plan.granularity == "tensorwise":
-            return (payload,), (scale, shape, dtypes[1], data.dtype)
-        if shard_dim == 0 and outer_size[0] % world:
-            # FSDP2 takes from an unevenly sharded weight only inputs of its padded shard's size,
-            # which a column of per-row scales is not: they travel in an all-gather of their own,
-            # on every rank alike (one small collective per gather of such a weight).
-            scales = _all_gathered_rows(_pad_rows(scale, padded_rows), mesh.get_group())[: outer_size[0]]
-            return (payload,), (scales, shape, dtypes[1], data.dtype)
-        return (payload, scale), (None, shape, dtypes[1], data.dtype)
+            return (payload,), (scale, *metadata)
+        if shard_dim == 0 and outer_size[0] % world == 0:
+            return (payload, scale), (None, *metadata)  # the scales ride along
+        # FSDP2 takes from an unevenly sharded weight only inputs of its padded shard's size, and
+        # re-views every input of a weight sharded on another dim as that shard: per-row or block
+        # scales are neither, so they travel in an all-gather of their own, on every rank alike
+        # (one small collective per gather of such a weight). A shard's scale rows are padded as
+        # its rows are (whole blocks: see Fp8AllGatherPlan.shard_refusal); FSDP2 shards other dims evenly.
+        if shard_dim == 0:
+            scale = _pad_rows(scale, plan.scale_rows(padded_rows, len(shape)))
+        scales = _all_gathered_along(scale, shard_dim, mesh.get_group()).narrow(shard_dim, 0, scale_shape[shard_dim])
+        return (payload,), (scales.contiguous(), *metadata)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
-        first, outer_size, source_dtype, payload_dtype = metadata
+        first, outer_size, scale_shape, source_dtype, payload_dtype = metadata
         if self._round_led is not None:  # this weight's all-gather round is over
             self._round_led.open = False
         high_precision = first is _HIGH_PRECISION
-        # The scale, where it travelled in the metadata: tensorwise, or rowwise gathered on its own.
+        # The scale, where it travelled in the metadata: tensorwise, or gathered on its own.
         known_scale = None if high_precision else first
         # FSDP2 hands each output back as [world * dim-0 rows of a shard, ...]; the memory is the
         # padded weight in order (dim-0 shards stacked; other shards concatenated back by FSDP2).
@@ -161,7 +167,7 @@ class Fp8AllGatherWeight(torch.Tensor):
         scale = (
             known_scale
             if known_scale is not None
-            else all_gather_outputs[1].view(-1, *outer_size[1:-1], 1)[: outer_size[0]]
+            else all_gather_outputs[1].view(-1, *scale_shape[1:])[: scale_shape[0]]
         )
         # The gathered weight views the first rows; FSDP2 frees and reallocates the whole
         # all-gather outputs between uses.
@@ -171,20 +177,6 @@ class Fp8AllGatherWeight(torch.Tensor):
 
 _HIGH_PRECISION = "high precision"
 """All-gather metadata of a weight gathered in param_dtype after all."""
-
-
-def _why_high_precision(plan: Fp8AllGatherPlan, outer_size, shard_dim: int, world: int) -> str | None:
-    """Why FSDP2 cannot gather this weight's FP8 payload and scales exactly, if it cannot: for
-    shards on dims other than 0 it re-views each input as the shard, which a column of per-row
-    scales is not. On dim 0 the payload and the scales are padded alike (uneven and empty shards)."""
-    if plan.granularity != "rowwise" or world == 1:
-        return None
-    if shard_dim != 0:
-        return (
-            f"FSDP2 shards it on dim {shard_dim} (TorchTitan does for expert weights when the FSDP "
-            f"degree exceeds the number of experts), where it cannot gather per-row scales"
-        )
-    return None
 
 
 def _shared_with(module) -> str | None:
@@ -212,6 +204,11 @@ def _all_gathered_rows(t: torch.Tensor, group) -> torch.Tensor:
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     gather(whole, t.contiguous(), group=group)
     return whole
+
+
+def _all_gathered_along(t: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Every rank's ``t`` (the same shape on each), concatenated along ``dim`` in rank order."""
+    return _all_gathered_rows(t.movedim(dim, 0), group).movedim(0, dim)
 
 
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:

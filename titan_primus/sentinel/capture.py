@@ -46,6 +46,7 @@ def _operand(t):
             "dtype": str(t.dtype),
             "source_dtype": str(t._source_dtype),
             "reciprocal": t._reciprocal,
+            "block": t._block,
         }
     return t.detach().cpu() if isinstance(t, torch.Tensor) else t
 
@@ -58,6 +59,7 @@ def _restore(entry, device: torch.device):
             _dtype(entry["dtype"]),
             entry["reciprocal"],
             _dtype(entry["source_dtype"]),
+            entry.get("block"),
         )
     return entry.to(device) if isinstance(entry, torch.Tensor) else entry
 

@@ -77,7 +77,7 @@ class EmulatedBackend(Fp8Backend):
         return Verdict.yes("the emulation takes the gathered FP8 weight as it is")
 
     def gathered_weight(self, data, scale, dtype, recipe, source_dtype=None):
-        return Fp8GatheredWeight(data, scale, dtype, recipe.reciprocal_scales, source_dtype)
+        return Fp8GatheredWeight.for_recipe(data, scale, dtype, recipe, source_dtype)
 
     def linear(self, x, weight, bias, recipe, shards=None):
         if recipe.block_scaled:  # block scales never span a TP shard: no amax reduction (TP is refused)

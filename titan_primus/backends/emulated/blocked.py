@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from ...fp8.blocks import cells_of, dequantize, quantize_blocks
+from ...fp8.blocks import cells_of, dequantize, dequantize_matrices, quantize_blocks, quantize_matrices
+from ...fsdp_fp8.gathered import Fp8GatheredWeight
 from ...grouping import zero_trailing_rows
 from ...recipes import Fp8Recipe, OperandCast
 from ..base import kept_for_gradients
@@ -25,20 +26,19 @@ __all__ = ["blocked_linear", "blocked_grouped_mm"]
 
 def _cast(t: torch.Tensor, cast: OperandCast, recipe: Fp8Recipe, segments: torch.Tensor | None = None) -> torch.Tensor:
     """``t`` [rows, contracted] (or [E, rows, contracted], blocks per expert) as the GEMM sees it
-    after the cast, float32. ``segments``: group end offsets along the contracted dimension."""
+    after the cast, float32. ``segments``: group end offsets along the contracted dimension. A
+    weight FSDP2 gathered in FP8 is already cast: the all-gather plan sends it only where its
+    square blocks are this cast's."""
+    if isinstance(t, Fp8GatheredWeight):
+        return t.dequantize()
     if cast.fmt is None:
         return t.to(torch.float32)
-    flat = t.reshape(-1, t.shape[-1])
-    if t.dim() == 3:  # per-expert blocks: pad each expert's rows to whole blocks
-        experts, rows, cols = t.shape
-        padded = -(-rows // cast.block[0]) * cast.block[0]
-        flat = torch.nn.functional.pad(t, (0, 0, 0, padded - rows)).reshape(-1, cols)
-    cells = cells_of(tuple(flat.shape), cast.block, t.device, segments)
-    data, scale_inv = quantize_blocks(flat, recipe.dtype(cast), recipe.block_scale, cells)
-    values = dequantize(data, scale_inv, cells)
-    if t.dim() == 3:
-        values = values.reshape(experts, padded, cols)[:, :rows]
-    return values
+    if segments is None:
+        data, scale_inv = quantize_matrices(t, recipe.dtype(cast), recipe.block_scale, cast.block)
+        return dequantize_matrices(data, scale_inv, cast.block)
+    cells = cells_of(tuple(t.shape), cast.block, t.device, segments)
+    data, scale_inv = quantize_blocks(t, recipe.dtype(cast), recipe.block_scale, cells)
+    return dequantize(data, scale_inv, cells)
 
 
 def _no_autocast(t: torch.Tensor):

@@ -153,8 +153,8 @@ class PrimusTurboBackend(Fp8Backend):
             why = api
         elif not self.accepts(recipe):
             why = self.accepts(recipe).reason
-        elif recipe.name not in ("tensorwise", "rowwise"):
-            why = f"Primus-Turbo's {recipe.name!r} GEMMs are not wired to a pre-quantized weight"
+        elif recipe.name not in ("tensorwise", "rowwise", "blockwise"):
+            why = f"Primus-Turbo's {recipe.name!r} GEMMs are its public ops, which quantize the weight themselves"
         if why:
             return Verdict.no(f"the primus_turbo backend cannot take a pre-quantized weight: {why}")
         kernel, other = ("gemm_fp8_impl", "x") if op == "linear" else ("grouped_gemm_fp8_impl", "A")
@@ -164,7 +164,7 @@ class PrimusTurboBackend(Fp8Backend):
         )
 
     def gathered_weight(self, data, scale, dtype, recipe, source_dtype=None):
-        return Fp8GatheredWeight(data, scale, dtype, recipe.reciprocal_scales, source_dtype)
+        return Fp8GatheredWeight.for_recipe(data, scale, dtype, recipe, source_dtype)
 
     def linear(self, x, weight, bias, recipe, shards=None):  # no TP scales: TP is refused
         if recipe.name == "mxfp8":

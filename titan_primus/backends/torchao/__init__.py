@@ -20,7 +20,7 @@ import torch
 from ...device import DeviceProfile
 from ...grouping import mask_trailing_rows_of_grad, padded_groups, zero_trailing_rows
 from ...recipes import RECIPE_NAMES, Fp8Recipe, make_recipe
-from ..base import Fp8Backend, Op, Verdict
+from ..base import Fp8Backend, Op, StockPath, Verdict
 from .linear import linear_configs, linear_function, linear_symbol, missing_linear_symbols, without_onednn
 
 __all__ = ["TorchAOBackend"]
@@ -30,6 +30,14 @@ GROUPED_MM_NAMES = (
     ("torchao.prototype.moe_training", "_to_fp8_rowwise_then_scaled_grouped_mm"),  # 0.17+
     ("torchao.prototype.moe_training.fp8_grouped_mm", "_to_fp8_rowwise_then_scaled_grouped_mm"),
 )
+# Where TorchAO's rowwise grouped GEMM measured no faster than bf16's torch._grouped_mm, forward
+# + backward, by GPU model (a key found in the device's name): docs/measurements.md, "NVIDIA H200".
+SLOWER_GROUPED_MM = {
+    "H200": (
+        "TorchAO's rowwise FP8 grouped GEMM measured 1.00x bf16 compiled and 0.83x to 0.90x eager on an H200 "
+        "(DeepSeek-V3 expert shapes: 65536 rows x 7168 -> 2048, 8 experts; torch 2.11, TorchAO 0.18, 2026-12-03)"
+    ),
+}
 _ALIGNMENT = 16  # FP8 tensor-core kernels need K, N (and grouped-GEMM group sizes) % 16 == 0
 # Block-scaled recipes: every dimension a block runs along must hold whole blocks (to_mx asserts
 # the last dim % 32; the blockwise quantizers and F.scaled_mm need multiples of 128).
@@ -203,11 +211,26 @@ class TorchAOBackend(Fp8Backend):
             )
         return Verdict.yes()
 
+    def slower_than_bf16(self, op: Op, recipe: Fp8Recipe, device: DeviceProfile) -> str | None:
+        if op != "grouped_mm" or recipe.name != "rowwise":
+            return None
+        return next((found for key, found in SLOWER_GROUPED_MM.items() if key in device.name.upper()), None)
+
+    def stock_path(self, op: Op, recipe: Fp8Recipe) -> tuple[StockPath | None, Verdict]:
+        from .stock import stock_path
+
+        return stock_path(op, recipe)
+
     def takes_gathered_fp8_weight(self, recipe: Fp8Recipe, op: Op = "linear") -> Verdict:
         if op == "grouped_mm":
             return Verdict.no(
                 "TorchAO's grouped GEMM (_to_fp8_rowwise_then_scaled_grouped_mm) quantizes B_t itself: "
                 "it has no entry for a pre-quantized weight"
+            )
+        if recipe.block_scaled:
+            return Verdict.no(
+                "TorchAO's block-scaled linears (fp8_blockwise_mm, mx_mm) quantize the weight themselves: "
+                "they have no entry for a pre-quantized weight"
             )
         return Verdict.yes("TorchAO takes it as its own Float8TrainingTensor and skips the weight cast")
 

@@ -27,6 +27,10 @@ _TIMING_COLUMNS = (
     ("% peak", lambda r: number(r["fraction_of_peak"] and 100 * r["fraction_of_peak"], ".1f")),
     *fields("status"),
 )
+_STOCK_COLUMNS = (
+    ("tp/stock", lambda r: number(r.get("titan_primus_vs_stock"), ".2f") if "stock_of" in r else ""),
+    ("same bits", lambda r: {True: "yes", False: "no"}.get(r.get("bitwise_equal_to_titan_primus"), "")),
+)
 _SENTINEL_COLUMNS = (
     *_TIMING_COLUMNS[:5],
     ("plain", lambda r: f"{r['plain_ms']:.3g}"),
@@ -50,7 +54,12 @@ def render(doc: dict, profile: DeviceProfile) -> str:
         *([settings["note"]] if settings["note"] else []),
         *([settings["attention_flops"]] if any(r["op"] == "attention" for r in rows) else []),
         "",
-        column_table(_TIMING_COLUMNS, [r for r in rows if r["status"] != "skipped"]),
+        column_table(
+            # Beside a stock upstream row: titan-primus's time over its, and whether the bits agree.
+            (*_TIMING_COLUMNS, *(_STOCK_COLUMNS if any("stock_of" in r for r in rows) else ())),
+            [r for r in rows if r["status"] != "skipped"],
+        ),
+        *[f"{r['backend']}: {r['stock_path']}" for r in {r["backend"]: r for r in rows if "stock_of" in r}.values()],
         *outcome_lines(rows, "measurements", lambda r: f"{r['case']} {r['backend']} {r['recipe']}"),
         "",
         f"{summary['ok']} measured, {summary['error']} errors in {summary['seconds']:.1f} s",

@@ -10,8 +10,9 @@ per element. FP8-gathered weights of linears and MoE experts (enable_fsdp_float8
 scales travel as metadata (each rank computes the same scale from the step's amax all-reduce,
 4 bytes per weight). Which layers are converted follows the converter's defaults (every linear
 and expert block, router gates kept in high precision); embeddings, norms and router gates
-stay bf16. Expert weights sharded on dim 0 (TorchTitan's choice while the FSDP degree is at
-most the number of experts; beyond it, rowwise expert weights are gathered in bf16).
+stay bf16. Expert weights gather the same bytes whether TorchTitan shards them on dim 0 (an
+FSDP degree at most the number of experts) or on dim 1 (beyond it). Block-scaled recipes are
+not modelled (docs/parallelism.md has their measured ratios).
 
 Shapes: :mod:`titan_primus.diagnostics.model_shapes` (TorchTitan 0.3.0's Llama3-8B/70B/405B and
 DeepSeek-V3-671B).

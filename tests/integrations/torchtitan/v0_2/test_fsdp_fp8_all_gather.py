@@ -43,6 +43,26 @@ def test_tied_output_projection_keeps_its_tie_and_bf16_all_gather():
     assert "except output, in bf16: its weight is tied to tok_embeddings.weight" in report.summary()
 
 
+def test_blockwise_weights_gather_fp8_where_shards_are_whole_blocks_and_the_report_names_the_others():
+    """TorchTitan 0.2 tells the converter the FSDP degree: a linear whose rows do not split into
+    whole 128-row blocks per rank keeps its bf16 all-gather, and the routing report names it
+    and why; the experts (sharded by expert) and the other linears go in FP8."""
+    model = meta_model("deepseek_v3")
+    report = convert(
+        model, parallel_dims(world_size=2), recipe="blockwise", device="cpu", enable_fsdp_float8_all_gather=True
+    ).report
+    summary = report.summary()
+    linears = {fqn: m for fqn, m in model.named_modules() if isinstance(m, Fp8Linear)}
+    whole_blocks = {fqn: -(-m.weight.shape[0] // 2) % 128 == 0 for fqn, m in linears.items()}
+    assert any(whole_blocks.values()) and not all(whole_blocks.values())
+    for fqn, m in linears.items():
+        assert isinstance(m.weight.data, Fp8AllGatherWeight) == whole_blocks[fqn], fqn
+        named = f"except {fqn}, in bf16: its 128x128 block scales need shards of whole 128-row blocks" in summary
+        assert named != whole_blocks[fqn], summary
+    experts = [w for m in model.modules() if isinstance(m, Fp8GroupedExperts) for w in (m.w1, m.w2, m.w3)]
+    assert experts and all(isinstance(w.data, Fp8AllGatherWeight) for w in experts)
+
+
 @pytest.mark.trainer
 @pytest.mark.parametrize("model", ["llama3", pytest.param("deepseek_v3", marks=pytest.mark.oldest)])
 def test_fp8_all_gather_matches_it_off(model, tmp_path):

@@ -259,3 +259,43 @@ def test_the_cpu_attention_swap_attends_causally_over_the_sequence(model):
     last.view(-1)[-1] = (last.view(-1)[-1] + 1) % 2048
     assert tp.sqnr(base[-1], logits(first)[-1]) < 80
     assert_sqnr_at_least(base[:-1], logits(last)[:-1], 80, "positions before the changed token")
+
+
+@pytest.mark.parametrize(
+    "recipe, device, fsdp, kept_in_bf16",
+    [
+        # wkv_a [576, 256]: 288 rows per rank, not whole 128-row blocks; the rest is
+        ("blockwise", "cpu", 2, {f"layers.{i}.attention.wkv_a" for i in range(6)}),
+        # 16 ranks for 8 experts: TorchTitan shards expert weights on dim 1 (N), each rank's
+        # N whole rows; every linear's rows split whole too
+        ("rowwise", "gfx942", 16, set()),
+    ],
+)
+def test_parallelize_keeps_in_bf16_and_names_each_weight_whose_shards_cannot_carry_fp8_scales(
+    recipe, device, fsdp, kept_in_bf16, caplog
+):
+    """TorchTitan 0.3 builds the model before it knows the FSDP degree: each FP8 layer decides in
+    ``parallelize``, where it knows its shapes and the degree, and names itself and why."""
+    from torchtitan.distributed.parallel_dims import ParallelDims
+
+    config, _ = convert(
+        config=model_config("deepseek_v3"),
+        device=device,
+        recipe=recipe,
+        backend="emulated",
+        enable_fsdp_float8_all_gather=True,
+    )
+    model = build(config, seed=0)
+    dims = ParallelDims(dp_replicate=1, dp_shard=fsdp, cp=1, tp=1, pp=1, ep=1, world_size=fsdp)
+    fp8 = {fqn: m for fqn, m in model.named_modules() if hasattr(m, "use_fp8_all_gather")}
+    assert all(m.fp8_all_gather for m in fp8.values())
+    with caplog.at_level(logging.WARNING, logger="titan_primus"):
+        for module in fp8.values():
+            module.parallelize(dims)
+    assert {fqn for fqn, m in fp8.items() if not m.fp8_all_gather} == kept_in_bf16
+    for fqn in kept_in_bf16:
+        assert (
+            f"FSDP2 gathers the weights of {fqn} in bf16: weight [576, 256]: its 128x128 block scales need shards "
+            f"of whole 128-row blocks, and FSDP2 shards its 576 rows (dim 0) in 288 per rank (FSDP degree 2)"
+        ) in caplog.text
+    assert caplog.text.count("FSDP2 gathers the weights of") == len(kept_in_bf16)

@@ -127,7 +127,9 @@ class Float8Converter:
             # Only where FSDP2 shards the weight (tensor parallelism is refused above); a weight
             # another module shares (tied weights) keeps its high-precision all-gather.
             others = [owner for owner in self._owners.get(linear.weight, []) if owner != f"{fqn}.weight"]
-            plan = self._all_gather_plan("linear", decision, fqn, shared_with=", ".join(others) or None)
+            plan = self._all_gather_plan(
+                "linear", decision, fqn, shared_with=", ".join(others) or None, shape=tuple(linear.weight.shape)
+            )
             self._place(model, fqn, Fp8Linear.from_linear(linear, decision, plan))
 
     def _convert_experts(self, model: nn.Module, fqn: str, experts: GroupedExperts) -> None:
@@ -146,7 +148,7 @@ class Float8Converter:
             # too; without EP the module pads them).
             set_token_group_alignment_size_m(alignment)
             recipe = with_token_groups_padded_to(recipe, alignment)
-        plan = self._all_gather_plan("grouped_mm", decision)
+        plan = self._all_gather_plan("grouped_mm", decision, fqn, shape=tuple(experts.w1.shape))
         if self.router.token_dispatch(fqn, recipe, unsupported=self._fp8_dispatch_transport(recipe)):
             recipe = with_fp8_dispatch(recipe)
         fp8 = Fp8GroupedExperts.from_experts(experts, decision, alignment, plan, recipe=recipe)
@@ -184,13 +186,18 @@ class Float8Converter:
             fp8.fp8_backend = watch(fp8, fp8.fp8_backend, SentinelLayer(self.sentinel, fqn))
         _swap(model, fqn, fp8)
 
-    def _all_gather_plan(self, op, decision, fqn=None, shared_with=None):
-        """The FP8 all-gather plan for ``op``'s weights, where FSDP2 shards them. Tensor
-        parallelism never reaches here with one (check_parallelism refuses TP for these
-        layers); expert weights under expert parallelism, which shards them first, gather in bf16."""
-        if not self.router.fp8_all_gather(op, fqn, shared_with) or not self.parallel_dims.fsdp_enabled:
+    def _all_gather_plan(self, op, decision, fqn, shape, shared_with=None):
+        """The FP8 all-gather plan for the weights of the layer at ``fqn`` (of ``shape``: for
+        experts, w1's), where FSDP2 shards them. Tensor parallelism never reaches here with one
+        (check_parallelism refuses TP for these layers); expert weights under expert
+        parallelism, which shards them first, gather in bf16. Without it TorchTitan 0.2 shards
+        every weight on dim 0 over dp_shard x cp ranks: experts whole, linears by rows."""
+        dims = self.parallel_dims
+        under_ep = op == "grouped_mm" and dims.ep > 1
+        sharded = (shape, 0, dims.dp_shard * dims.cp) if dims.fsdp_enabled and not under_ep else None
+        if not self.router.fp8_all_gather(op, fqn, shared_with, sharded) or not dims.fsdp_enabled:
             return None
-        if op == "grouped_mm" and self.parallel_dims.ep > 1:
+        if under_ep:
             _warn_no_fp8_all_gather_under_ep()
             return None
         return fp8_all_gather_plan(decision.backend, decision.recipe, op)[0]

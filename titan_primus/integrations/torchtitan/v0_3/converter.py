@@ -147,6 +147,7 @@ class Float8Converter(QuantizationConverter):
                     fp8_recipe=decision.recipe,
                     fp8_all_gather=all_gather,
                     fp8_sentinel=self._watched(fqn),
+                    fp8_name=fqn,
                 )
                 model_config = _replace(model_config, parent, attr, new)
         return model_config
@@ -171,6 +172,7 @@ class Float8Converter(QuantizationConverter):
                 fp8_recipe=recipe,
                 fp8_all_gather=self.router.fp8_all_gather("grouped_mm"),
                 fp8_sentinel=self._watched(fqn),
+                fp8_name=fqn,
             )
             model_config = _replace(model_config, parent, attr, new)
         return model_config

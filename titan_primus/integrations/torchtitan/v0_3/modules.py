@@ -50,6 +50,7 @@ class _Fp8Module:
     def bind_fp8(self, config) -> None:
         self.fp8_backend = get_backend(config.fp8_backend)
         self.fp8_recipe = config.fp8_recipe
+        self.fp8_name = config.fp8_name or type(self).__name__
         if config.fp8_all_gather:
             # Wrapped at construction: TorchTitan's partial_dtensor backend calls parallelize
             # only under tensor parallelism, and fully_shard always follows.
@@ -73,7 +74,11 @@ class _Fp8Module:
         if self.fp8_all_gather:
             why_not = self._why_no_fp8_all_gather(parallel_dims)
             if why_not:
-                _warn_no_fp8_all_gather(type(self).__name__, why_not)
+                _warn_no_fp8_all_gather(f"the {type(self).__name__} weights", why_not)
+            elif parallel_dims.fsdp_enabled:
+                why_not = self._fsdp_shard_refusal(parallel_dims)
+                if why_not:  # one line per layer: it depends on the layer's shapes
+                    _warn_no_fp8_all_gather(f"the weights of {self.fp8_name}", why_not)
             if why_not or not parallel_dims.fsdp_enabled:
                 self.use_fp8_all_gather(False)
         super().parallelize(parallel_dims)
@@ -81,6 +86,22 @@ class _Fp8Module:
     def _why_no_fp8_all_gather(self, parallel_dims) -> str | None:
         if self.covers_experts and parallel_dims.ep > 1:
             return "expert parallelism shards them first"
+        return None
+
+    def _fsdp_shard_refusal(self, parallel_dims) -> str | None:
+        """Why FSDP2's shards of these weights cannot carry their FP8 scales (whole rows or
+        blocks), if they cannot. TorchTitan 0.3 shards over its "fsdp" mesh (dp_shard x cp), an
+        expert weight on dim 1 where that mesh has more ranks than there are experts
+        (torchtitan/distributed/fsdp.py)."""
+        op = "grouped_mm" if self.covers_experts else "linear"
+        plan, _ = fp8_all_gather_plan(self.fp8_backend, self.fp8_recipe, op)
+        world = parallel_dims.dp_shard * parallel_dims.cp
+        for name in self.fp8_weight_names:
+            shape = tuple(getattr(self, name).shape)
+            shard_dim = 1 if self.covers_experts and world > shape[0] else 0
+            why = plan.shard_refusal(shape, shard_dim, world)
+            if why:
+                return f"{name} {list(shape)}: {why}"
         return None
 
     @property
@@ -121,8 +142,8 @@ def tensor_parallel_shards(sharding_config, parallel_dims) -> TensorParallelShar
 
 
 @functools.cache
-def _warn_no_fp8_all_gather(module: str, why: str) -> None:
-    logger.warning("titan-primus: enable_fsdp_float8_all_gather: FSDP2 gathers the %s weights in bf16: %s", module, why)
+def _warn_no_fp8_all_gather(weights: str, why: str) -> None:
+    logger.warning("titan-primus: enable_fsdp_float8_all_gather: FSDP2 gathers %s in bf16: %s", weights, why)
 
 
 @functools.cache
@@ -153,6 +174,8 @@ class Fp8Linear(_Fp8Module, Linear):
         """FSDP2 all-gathers the weight as FP8 (the converter found it exact here)."""
         fp8_sentinel: SentinelLayer | None = None
         """The numerics sentinel watches this layer (titan_primus.sentinel)."""
+        fp8_name: str = ""
+        """The layer's name in the model (the converter's fqn), for messages."""
 
     def __init__(self, config: Config):
         super().__init__(config)
@@ -193,6 +216,7 @@ def fp8_experts_class(parent_cls: type[GroupedExperts]) -> type[GroupedExperts]:
             fp8_recipe: Fp8Recipe
             fp8_all_gather: bool = False
             fp8_sentinel: SentinelLayer | None = None
+            fp8_name: str = ""
 
         def __init__(self, config: Config):
             super().__init__(config)
