@@ -385,3 +385,18 @@ def test_block_recipes_train_through_the_converter_and_track_bf16(model, stock, 
     assert f"recipe {recipe}" in log and f"-> emulated ({recipe} (torchao definition, e4m3fn)" in log
     if model == "deepseek_v3":
         assert "grouped experts:" in log
+
+
+def test_block_casts_of_no_rows_give_empty_payloads_and_scales():
+    """An FSDP2 rank can hold no expert (more ranks than experts) and an EP rank no token: a block
+    cast of zero rows gives an empty payload and an empty grid of scales, no error."""
+    from titan_primus.fp8.blocks import dequantize_matrices, quantize_matrices
+    from titan_primus.recipes import BlockScaleRule
+
+    data, scale_inv = quantize_matrices(
+        torch.zeros(0, 200, 300), torch.float8_e4m3fn, BlockScaleRule("fp32"), (128, 128)
+    )
+    assert data.shape == (0, 200, 300) and scale_inv.shape == (0, 2, 3)
+    assert dequantize_matrices(data, scale_inv, (128, 128)).shape == (0, 200, 300)
+    data, scale_inv = quantize_matrices(torch.zeros(0, 256), torch.float8_e4m3fn, BlockScaleRule("fp32"), (1, 128))
+    assert data.shape == (0, 256) and scale_inv.shape == (0, 2)

@@ -16,6 +16,8 @@ are reduced by key. Nothing here synchronises with the host, so it traces under
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..recipes import BlockScaleRule
@@ -80,7 +82,8 @@ class BlockCells:
             product = blocked * per_cell[:, None, :, None]
         else:
             product = blocked * per_cell[:, self.col_keys].unsqueeze(1)
-        return product.reshape(blocked.shape[0] * blocked.shape[1], -1)[:rows, :cols]
+        padded_cols = blocked.shape[2] if self.col_keys is not None else blocked.shape[2] * blocked.shape[3]
+        return product.reshape(blocked.shape[0] * blocked.shape[1], padded_cols)[:rows, :cols]
 
 
 def segment_keys(offs: torch.Tensor, length: int, block: int) -> tuple[torch.Tensor, int]:
@@ -174,7 +177,7 @@ def _stacked(t: torch.Tensor, block_rows: int) -> torch.Tensor:
     """``t`` [..., R, C] as [matrices, R padded to whole blocks, C]: no block spans two matrices."""
     rows, cols = t.shape[-2:]
     padding = -(-rows // block_rows) * block_rows - rows
-    return torch.nn.functional.pad(t.reshape(-1, rows, cols), (0, 0, 0, padding))
+    return torch.nn.functional.pad(t.reshape(math.prod(t.shape[:-2]), rows, cols), (0, 0, 0, padding))
 
 
 def quantize_matrices(
