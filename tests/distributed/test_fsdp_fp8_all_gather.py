@@ -276,12 +276,12 @@ def test_an_embedding_never_reads_an_fp8_gathered_weight_silently():
         torch.nn.functional.embedding(torch.tensor([1, 2]), gathered)
 
 
-OVERRIDE = 'titan_primus.torchtitan.overrides.fp8={"recipe": "tensorwise", "enable_fsdp_float8_all_gather": %s%s}'
+OVERRIDE = 'titan_primus.torchtitan.overrides.fp8={"recipe": "%s", "enable_fsdp_float8_all_gather": %s%s}'
 FSDP2 = ("--parallelism.data_parallel_shard_degree", "2")
 
 
-def _fp8_run(model, dump, steps, all_gather: bool, *extra, backend="", nproc=2, full_ac=False):
-    options = OVERRIDE % ("true" if all_gather else "false", f', "backend": "{backend}"' if backend else "")
+def _fp8_run(model, dump, steps, all_gather: bool, *extra, backend="", nproc=2, full_ac=False, recipe="tensorwise"):
+    options = OVERRIDE % (recipe, "true" if all_gather else "false", f', "backend": "{backend}"' if backend else "")
     overrides = [options] + (["support.full_activation_checkpointing.full_ac"] if full_ac else [])
     env = {"PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)])}  # the override above: tests/support/
     return run_trainer(
@@ -344,6 +344,21 @@ def test_trainer_compile_with_the_converter_and_fp8_all_gather(eager_deepseek_v3
     assert "grouped experts: FSDP2 weight all-gather in FP8 payload + scales" in log
     assert sorted(compiled) == sorted(eager) == [1, 2, 3]
     assert_losses_within(compiled, eager, 0.001)
+
+
+@pytest.mark.trainer
+def test_trainer_compile_of_blockwise_with_and_without_fp8_all_gather(tmp_path):
+    """TorchTitan's --compile.enable on the MoE debug model, blockwise (emulated on the CPU), FSDP2
+    2 ranks, 2 steps: runs (before 2026-12-06 inductor's CPU code generation raised in
+    try_loop_split on the fused casts of an activation and its transpose: the block casts are
+    ops of their own now), and FP8 all-gather of the 128x128 blocks changes no loss (wkv_a's
+    288-row shards gather bf16, each layer named once per rank)."""
+    on, log = _fp8_run("deepseek_v3", tmp_path / "on", 2, True, *FSDP2, "--compile.enable", recipe="blockwise")
+    off, _ = _fp8_run("deepseek_v3", tmp_path / "off", 2, False, *FSDP2, "--compile.enable", recipe="blockwise")
+    assert "Compiling each TransformerBlock with torch.compile" in log
+    assert "grouped experts: FSDP2 weight all-gather in FP8 payload + scales: 128x128 weight blocks" in log
+    assert log.count("FSDP2 gathers the weights of layers.0.attention.wkv_a in bf16") == 2  # once per rank
+    assert on == off and sorted(on) == [1, 2], (on, off)
 
 
 @pytest.mark.trainer

@@ -30,6 +30,16 @@ GEMMS = {
         OPS.emulated_fp8_grouped_mm.default,
         lambda: (_randn(64, 48), _randn(48, 32, seed=1), torch.tensor([16, 32, 48], dtype=torch.int32)),
     ),
+    # The block casts (blockwise's 128x128 fp32 scales, TorchAO MX's 1x32 E8M0), on a transposed
+    # view as the wgrad casts it: the output is contiguous whatever the input's layout.
+    "block_cast-128x128": (
+        OPS.emulated_block_cast.default,
+        lambda: (_randn(200, 300).t(), torch.float8_e4m3fn, 128, 128, "fp32", 1e-4, False, ""),
+    ),
+    "block_cast-1x32-experts": (
+        OPS.emulated_block_cast.default,
+        lambda: (_randn(3, 40, 64, dtype=torch.bfloat16), torch.float8_e4m3fn, 1, 32, "e8m0", 0.0, False, "rceil"),
+    ),
 }
 
 

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import torch
 
-from ...fp8.blocks import cells_of, dequantize, dequantize_matrices, quantize_blocks, quantize_matrices
+from ...fp8.blocks import cells_of, dequantize, quantize_blocks
 from ...fsdp_fp8.gathered import Fp8GatheredWeight
 from ...grouping import zero_trailing_rows
 from ...recipes import Fp8Recipe, OperandCast
 from ..base import kept_for_gradients
-from .gemm_ops import emulated_fp8_grouped_mm, emulated_fp8_mm
+from .gemm_ops import emulated_block_cast, emulated_fp8_grouped_mm, emulated_fp8_mm
 
 __all__ = ["blocked_linear", "blocked_grouped_mm"]
 
@@ -34,11 +34,23 @@ def _cast(t: torch.Tensor, cast: OperandCast, recipe: Fp8Recipe, segments: torch
     if cast.fmt is None:
         return t.to(torch.float32)
     if segments is None:
-        data, scale_inv = quantize_matrices(t, recipe.dtype(cast), recipe.block_scale, cast.block)
-        return dequantize_matrices(data, scale_inv, cast.block)
+        rule = recipe.block_scale
+        return emulated_block_cast(
+            t, recipe.dtype(cast), *cast.block, rule.kind, rule.amax_eps, rule.float64, rule.rounding or ""
+        )
     cells = cells_of(tuple(t.shape), cast.block, t.device, segments)
     data, scale_inv = quantize_blocks(t, recipe.dtype(cast), recipe.block_scale, cells)
     return dequantize(data, scale_inv, cells)
+
+
+def _cast_transposed(t: torch.Tensor, cast: OperandCast, recipe: Fp8Recipe) -> torch.Tensor:
+    """``_cast(t.transpose(-2, -1), cast).transpose(-2, -1)``: the weight as grad_input reads it
+    (blocks laid out along N). Where ``cast`` is the forward's and its blocks are square, those
+    are the forward's blocks, so this is the forward cast itself, bit for bit (one cast of the
+    weight in backward, not two)."""
+    if cast == recipe.output.b and cast.block[0] == cast.block[1]:
+        return _cast(t, cast, recipe)
+    return _cast(t.transpose(-2, -1), cast, recipe).transpose(-2, -1)
 
 
 def _no_autocast(t: torch.Tensor):
@@ -75,7 +87,7 @@ class _BlockedLinear(torch.autograd.Function):
             grad_gemm = grad_out.to(gemm_dtype)
             if ctx.needs_input_grad[0]:
                 c = recipe.grad_input  # [M, N] @ [K, N]^T: contract over N
-                grad_x = emulated_fp8_mm(_cast(grad_gemm, c.a, recipe), _cast(weight.t(), c.b, recipe).t())
+                grad_x = emulated_fp8_mm(_cast(grad_gemm, c.a, recipe), _cast_transposed(weight, c.b, recipe))
                 grad_x = grad_x.to(gemm_dtype).to(ctx.a_dtype)
             if ctx.needs_input_grad[1]:
                 c = recipe.grad_weight  # [N, M] @ [K, M]^T: contract over M
@@ -115,8 +127,9 @@ class _BlockedGroupedMM(torch.autograd.Function):
         with _no_autocast(grad_out):
             grad_out = zero_trailing_rows(grad_out, offs)
             if ctx.needs_input_grad[0]:
-                c = recipe.grad_input  # per expert: [rows, N] @ [K, N]^T
-                grad_A = _per_expert(_cast(grad_out, c.a, recipe), _cast(B_t, c.b, recipe), offs).to(ctx.a_dtype)
+                c = recipe.grad_input  # per expert: [rows, N] @ [K, N]^T, B_t cast with its blocks along N
+                b = _cast_transposed(B_t.transpose(-2, -1), c.b, recipe).transpose(-2, -1)
+                grad_A = _per_expert(_cast(grad_out, c.a, recipe), b, offs).to(ctx.a_dtype)
             if ctx.needs_input_grad[1]:
                 c = recipe.grad_weight  # per expert: [N, rows] @ [K, rows]^T, token blocks per group
                 g = _cast(grad_out.t(), c.a, recipe, segments=offs)

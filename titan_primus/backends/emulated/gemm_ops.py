@@ -1,4 +1,4 @@
-"""The emulated backend's GEMMs, as ops of their own.
+"""The emulated backend's GEMMs, and its regular-block casts, as ops of their own.
 
 Every emulated FP8 GEMM multiplies FP8 values (dequantized to float32, or held exactly in
 bfloat16) in high precision. Run as plain ``aten.mm`` / ``aten._grouped_mm`` they would be
@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import torch
 
+from ...fp8.blocks import dequantize_matrices, quantize_matrices
 from ...grouping import group_ids
+from ...recipes import BlockScaleRule
 
-__all__ = ["GEMM_OPS", "emulated_fp8_grouped_mm", "emulated_fp8_mm"]
+__all__ = ["GEMM_OPS", "emulated_block_cast", "emulated_fp8_grouped_mm", "emulated_fp8_mm"]
 
 
 # flexible_layout: inductor may lay the operands out as it likes (as for aten.mm); with the
@@ -82,6 +84,33 @@ def _(a, b, offs):
     if b.dim() == 3:
         return a.new_empty((a.shape[0], b.shape[2]))
     return a.new_empty((offs.shape[0], a.shape[0], b.shape[1]))
+
+
+@torch.library.custom_op("titan_primus::emulated_block_cast", mutates_args=(), tags=_ANY_LAYOUT)
+def emulated_block_cast(
+    t: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    block_rows: int,
+    block_cols: int,
+    kind: str,
+    amax_eps: float,
+    float64: bool,
+    rounding: str,
+) -> torch.Tensor:
+    """``t`` [..., R, C] cast to ``fp8_dtype`` in regular ``block_rows`` x ``block_cols`` blocks (per
+    matrix of the leading dims) and dequantized: the float32 values a block-scaled GEMM multiplies.
+    An op of its own for torch.compile: as inductor code, a tensor's cast and its transpose's
+    (the forward's input tiles and the wgrad's, both in backward under activation checkpointing)
+    fuse into one CPU kernel its loop splitting cannot generate (torch 2.14: "AssertionError" in
+    try_loop_split, under TorchTitan's --compile.enable); opaque, it runs eager mode's code."""
+    rule = BlockScaleRule(kind, amax_eps, float64, rounding or None)
+    data, scale_inv = quantize_matrices(t, fp8_dtype, rule, (block_rows, block_cols))
+    return dequantize_matrices(data, scale_inv, (block_rows, block_cols)).contiguous()  # as the fake says
+
+
+@emulated_block_cast.register_fake
+def _(t, fp8_dtype, block_rows, block_cols, kind, amax_eps, float64, rounding):
+    return t.new_empty(t.shape, dtype=torch.float32)
 
 
 GEMM_OPS = frozenset(
