@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from titan_primus.backends.emulated.gemm_ops import CAST_OPS
+
 __all__ = ["count_gemms", "count_gemms_and_casts"]
 
 _FP8 = {torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2, torch.float8_e5m2fnuz}
@@ -47,7 +49,8 @@ def count_gemms(fn, ops, compiled: bool = False):
 
 class _GemmsAndCasts(_Executions):
     """Also counts the FP8 casts: ops that make an FP8 tensor from tensors none of which is FP8
-    (views, transposes and copies of FP8 tensors are not casts)."""
+    (views, transposes and copies of FP8 tensors are not casts), and the emulated backend's cast
+    ops (``CAST_OPS``: the FP8 payload stays inside them)."""
 
     def __init__(self, ops):
         super().__init__(ops)
@@ -55,6 +58,9 @@ class _GemmsAndCasts(_Executions):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = super().__torch_dispatch__(func, types, args, kwargs)
+        if func in CAST_OPS:
+            self.casts += 1
+            return out
         inputs = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         made = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
         if any(t.dtype in _FP8 for t in made) and not any(t.dtype in _FP8 or _fp8_operand(t) for t in inputs):

@@ -20,7 +20,7 @@ from ...fp8.blocks import dequantize_matrices, quantize_matrices
 from ...grouping import group_ids
 from ...recipes import BlockScaleRule
 
-__all__ = ["GEMM_OPS", "emulated_block_cast", "emulated_fp8_grouped_mm", "emulated_fp8_mm"]
+__all__ = ["CAST_OPS", "GEMM_OPS", "emulated_block_cast", "emulated_fp8_grouped_mm", "emulated_fp8_mm"]
 
 
 # flexible_layout: inductor may lay the operands out as it likes (as for aten.mm); with the
@@ -117,3 +117,7 @@ GEMM_OPS = frozenset(
     {torch.ops.titan_primus.emulated_fp8_mm.default, torch.ops.titan_primus.emulated_fp8_grouped_mm.default}
 )
 """Every GEMM the emulated backend runs, forward and backward, on every recipe."""
+
+CAST_OPS = frozenset({torch.ops.titan_primus.emulated_block_cast.default})
+"""The emulated backend's FP8 casts that run as ops of their own: each call is one cast (its
+FP8 payload never leaves the op)."""
