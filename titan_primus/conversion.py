@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
 from typing import Literal
 
 from .attention.route import AttentionRoute, AttentionSite, route_attention
@@ -372,14 +373,14 @@ class LayerRouter:
         op: Op,
         fqn: str | None = None,
         shared_with: str | None = None,
-        sharded: tuple[tuple[int, ...], int, int] | None = None,
+        sharded: Sequence[tuple[tuple[int, ...], int, int]] | None = None,
     ) -> bool:
         """Whether FSDP2 all-gathers the FP8 weights of ``op`` as FP8 (the option is on and
         that is exact here), recorded with the reason in the report. For the layer at ``fqn``:
         ``shared_with`` names the module that shares its weight (tied weights), which then keeps
-        its high-precision all-gather (the other module reads its values); ``sharded`` = (weight
-        shape, the dim FSDP2 shards it on, FSDP degree), where known, keeps in high precision a
-        weight whose shards do not hold whole rows or blocks."""
+        its high-precision all-gather (the other module reads its values); ``sharded``: for each of
+        its weights, (the shape FSDP2 shards, the dim it shards, FSDP degree), where known, keeps
+        in high precision weights whose shards do not hold whole rows or blocks."""
         if not self.options.enable_fsdp_float8_all_gather:
             return False
         decision = self.decision(op)
@@ -394,7 +395,8 @@ class LayerRouter:
                 f"the FP8 GEMM quantizes the gathered weight as without the option"
             )
         elif sharded is not None:
-            why = plan.shard_refusal(*sharded)
+            refusals = ((shape, plan.shard_refusal(shape, dim, world)) for shape, dim, world in sharded)
+            why = next((f"{why} (weight {list(shape)})" for shape, why in refusals if why), None)
         if why:
             self.report.gathered_in_high_precision[fqn] = why
             return False

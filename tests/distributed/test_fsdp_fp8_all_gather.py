@@ -5,6 +5,7 @@ import os
 
 import pytest
 import torch
+from support import fp8_gather_probe
 from support.closeness import assert_losses_within
 from support.ranks import every_rank, torchrun_script
 from support.repo_root import ROOT, TESTS
@@ -111,7 +112,8 @@ def test_gathered_expert_weights_give_exactly_the_normal_path(backend_name, reci
 
 
 def test_gathered_weight_keeps_fp8_only_where_values_are_unchanged():
-    """Transposes, zero padding and the cast to the dtype it was quantized from keep the FP8
+    """Transposes, zero padding, the cast to the dtype it was quantized from and a view as
+    itself (DTensor's to_local of an expert weight under expert parallelism) keep the FP8
     payload; anything else sees the dequantized weight."""
     backend = tp.registry.get_backend("emulated")
     made = backend.recipe_for("rowwise", tp.device_profile("gfx942"))
@@ -131,6 +133,9 @@ def test_gathered_weight_keeps_fp8_only_where_values_are_unchanged():
     doubled = gathered * 2  # any other op: a plain tensor of the dequantized values
     assert type(doubled) is torch.Tensor and torch.equal(doubled, dequantized * 2)
     assert type(gathered.half()) is torch.Tensor  # not the dtype it was quantized from
+    itself = gathered.view_as(gathered)
+    assert type(itself) is type(gathered) and torch.equal(itself.fp8_data().view(torch.uint8), data.view(torch.uint8))
+    assert type(gathered.view(2, 24)) is torch.Tensor  # another shape
 
 
 @pytest.mark.parametrize("recipe, fp8", [("rowwise", False), ("tensorwise", True)])
@@ -233,14 +238,18 @@ def test_the_fp8_all_gather_matrix_is_gather_then_quantize_and_changes_no_bit(wo
     """tests/support/fsdp_fp8_matrix.py on ``world`` gloo ranks: 70 cases (tensorwise in both
     definitions, Primus-Turbo's rowwise, blockwise in both; a linear whose rows divide by the
     world size, do not, and are fewer than the ranks; expert weights likewise, and sharded on dim
-    1; bf16 and fp32 parameters; two AdamW steps). Every gathered FP8 payload and scale equals the
-    forward cast of the gathered bf16 weight, and outputs, gradients and updated weights equal the
-    bf16 gather's, bit for bit. All gather FP8 but a blockwise linear of fewer rows than ranks
-    (1 row per rank: not whole 128-row blocks; high precision, named). Measured 22 / 30 / 40 s at
-    2 / 3 / 4 ranks (2026-12-06; before its fix, blockwise experts with an empty shard crashed)."""
+    1; bf16 and fp32 parameters; two AdamW steps), and at 4 ranks 30 more under expert
+    parallelism (EP 2, FSDP2 over 2 "efsdp" ranks within: each rank's experts dividing by them,
+    not, and one expert sharded on dim 1). Every gathered FP8 payload and scale equals the
+    forward cast of the gathered bf16 weight (under EP: of the rank's experts), and outputs,
+    gradients and updated weights equal the bf16 gather's, bit for bit. All gather FP8 but a
+    blockwise linear of fewer rows than ranks (1 row per rank: not whole 128-row blocks; high
+    precision, named). Measured 22 / 30 / 40 s at 2 / 3 / 4 ranks (2026-12-06; before its fix,
+    blockwise experts with an empty shard crashed)."""
     cases = every_rank(torchrun_script("fsdp_fp8_matrix.py", nproc=world), world)
     for r in cases:
-        assert len(r["cases"]) == 70, r
+        assert len(r["cases"]) == (100 if world == 4 else 70), r
+        assert sum("/experts_ep_" in case for case in r["cases"]) == (30 if world == 4 else 0), r
         for case, outcome in r["cases"].items():
             kept = case.startswith("blockwise/") and "/linear_fewer_than_ranks/" in case
             assert outcome == ("equal, high precision" if kept else "equal, fp8"), (case, outcome)
@@ -278,12 +287,37 @@ def test_an_embedding_never_reads_an_fp8_gathered_weight_silently():
 
 OVERRIDE = 'titan_primus.torchtitan.overrides.fp8={"recipe": "%s", "enable_fsdp_float8_all_gather": %s%s}'
 FSDP2 = ("--parallelism.data_parallel_shard_degree", "2")
+# TorchTitan refuses EP's token dispatcher with CUDA graphs on, even on a CPU.
+EP2_WITHIN_FSDP4 = (
+    "--parallelism.data_parallel_shard_degree",
+    "4",
+    "--parallelism.expert_parallel_degree",
+    "2",
+    "--training.disable_cuda_graphs",
+)
 
 
-def _fp8_run(model, dump, steps, all_gather: bool, *extra, backend="", nproc=2, full_ac=False, recipe="tensorwise"):
-    options = OVERRIDE % (recipe, "true" if all_gather else "false", f', "backend": "{backend}"' if backend else "")
+def _fp8_run(
+    model,
+    dump,
+    steps,
+    all_gather: bool,
+    *extra,
+    backend="",
+    device="",
+    nproc=2,
+    full_ac=False,
+    recipe="tensorwise",
+    probe=None,
+):
+    """``probe``: a path, where tests/support/fp8_gather_probe.py records each rank's FP8 all-gathers."""
+    chosen = "".join(f', "{key}": "{value}"' for key, value in (("backend", backend), ("device", device)) if value)
+    options = OVERRIDE % (recipe, "true" if all_gather else "false", chosen)
     overrides = [options] + (["support.full_activation_checkpointing.full_ac"] if full_ac else [])
     env = {"PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)])}  # the override above: tests/support/
+    if probe:
+        overrides.append("support.fp8_gather_probe.probe")
+        env[fp8_gather_probe.VARIABLE] = str(probe)
     return run_trainer(
         model, f"{model}_debugmodel", dump, steps, "--override.imports", *overrides, *extra, nproc=nproc, env=env
     )
@@ -359,6 +393,45 @@ def test_trainer_compile_of_blockwise_with_and_without_fp8_all_gather(tmp_path):
     assert "grouped experts: FSDP2 weight all-gather in FP8 payload + scales: 128x128 weight blocks" in log
     assert log.count("FSDP2 gathers the weights of layers.0.attention.wkv_a in bf16") == 2  # once per rank
     assert on == off and sorted(on) == [1, 2], (on, off)
+
+
+@pytest.mark.trainer
+@pytest.mark.multiprocess
+def test_trainer_gathers_expert_weights_in_fp8_under_expert_parallelism(tmp_path):
+    """TorchTitan's trainer, deepseek_v3 (8 experts per MoE layer), 4 gloo ranks: FSDP2 over 4
+    and expert parallelism 2, so each rank holds 4 experts, which FSDP2 shards over the 2 "efsdp"
+    ranks. Primus-Turbo's tensorwise (gfx942), emulated, 2 steps: its amaxes are reduced per
+    FSDP2 parameter group, and a block's experts (on the "efsdp" mesh) and its other weights (on
+    the "fsdp" mesh) are two groups of one fully_shard (rowwise: TorchTitan 0.2.2's trainer test
+    and the matrix). Every expert weight FSDP2 gathers goes in FP8 ([4, 256, 256] over 2 ranks: 5 MoE layers x 3 weights x forward and
+    backward x 2 steps = 60 gathers per rank, recorded by tests/support/fp8_gather_probe.py), the
+    linears too (over 4 ranks), none in high precision, and the losses equal the option off's
+    (before 2026-12-06 these expert weights gathered bf16). About 35 s for both runs alone, 63 s
+    beside another test."""
+    runs = {}
+    for on in (True, False):
+        probe = tmp_path / f"probe-{on}"
+        losses, log = _fp8_run(
+            "deepseek_v3",
+            tmp_path / str(on),
+            2,
+            on,
+            *EP2_WITHIN_FSDP4,
+            backend="emulated",
+            device="gfx942",
+            nproc=4,
+            probe=probe,
+        )
+        runs[on] = losses, [fp8_gather_probe.read(f"{probe}.{rank}") for rank in range(4)], log
+    (on, gathers, log), (off, gathers_off, _) = runs[True], runs[False]
+    assert "grouped experts: FSDP2 weight all-gather in FP8 payload + scales" in log and "in bf16" not in log
+    for rank_gathers in gathers:
+        experts = [g for g in rank_gathers if len(g[0]) == 3]
+        assert experts == [[[4, 256, 256], 2, "fp8"]] * 60, rank_gathers
+        assert all(how == "fp8" and world == 4 for shape, world, how in rank_gathers if len(shape) == 2)
+    assert gathers_off == [[]] * 4
+    assert on == off and sorted(on) == [1, 2], (on, off)
+    print(f"deepseek_v3, FSDP 4 with EP 2, tensorwise (gfx942): FP8 all-gather on {on}, off {off}")
 
 
 @pytest.mark.trainer

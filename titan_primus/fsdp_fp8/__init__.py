@@ -23,7 +23,10 @@ have made of the gathered high-precision weight, because
   with a warning;
 - a weight is gathered in FP8 only where the backward pass needs nothing but that FP8 copy
   (:func:`fp8_all_gather_plan`), and only on backends that take a pre-quantized weight;
-- MoE expert weights are quantized from the bf16 copy TorchTitan's experts cast them to;
+- MoE expert weights are quantized from the bf16 copy TorchTitan's experts cast them to; under
+  expert parallelism the wrapped weight stays inside the EP DTensor (``distribute_tensor`` keeps
+  the subclass) and FSDP2 gathers each rank's experts, which is all that rank computes with, so
+  its rows, blocks and (tensorwise) amax are those of the weight its GEMMs take;
 - a weight shared with a module that is not an FP8 GEMM (an output projection tied to the token
   embedding) is gathered in high precision: the other module reads its values (the converters
   keep such weights out of FP8 all-gather; the all-gather checks it again).

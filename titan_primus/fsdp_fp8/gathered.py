@@ -104,13 +104,18 @@ class Fp8GatheredWeight(torch.Tensor):
     def _kept_fp8(self, func, args, kwargs) -> "Fp8GatheredWeight | None":
         """``func(self, ...)`` as an Fp8GatheredWeight where it changes no value, else None."""
         aten = torch.ops.aten
-        # FSDP2 re-views the unsharded tensor with its original size and stride, and
-        # nn.Parameter detaches it: both are the tensor itself.
-        if func in self._VIEWS or (
-            func is aten.as_strided.default
-            and tuple(args[1]) == tuple(self.shape)
-            and tuple(args[2]) == self.stride()
-            and (args[3] if len(args) > 3 else kwargs.get("storage_offset", 0)) in (0, None)
+        # FSDP2 re-views the unsharded tensor with its original size and stride, nn.Parameter
+        # detaches it, and DTensor's to_local (an expert weight under expert parallelism) views
+        # it as itself: each is the tensor itself.
+        if (
+            func in self._VIEWS
+            or (func is aten.view.default and tuple(args[1]) == tuple(self.shape))
+            or (
+                func is aten.as_strided.default
+                and tuple(args[1]) == tuple(self.shape)
+                and tuple(args[2]) == self.stride()
+                and (args[3] if len(args) > 3 else kwargs.get("storage_offset", 0)) in (0, None)
+            )
         ):
             return self._with()
         if func is aten.transpose.int:

@@ -1,7 +1,12 @@
 """TorchTitan 0.2.2's trainer with [titan_primus] enable_fsdp_float8_all_gather under FSDP2
 (2 gloo ranks): the same losses as with it off, and checkpoints that resume without it."""
 
+import os
+from pathlib import Path
+
 import pytest
+from support import fp8_gather_probe
+from support.repo_root import TESTS
 from tt02_helpers import EXAMPLES, convert, meta_model, parallel_dims, run_trainer
 
 from titan_primus.fsdp_fp8 import Fp8AllGatherWeight
@@ -63,6 +68,26 @@ def test_blockwise_weights_gather_fp8_where_shards_are_whole_blocks_and_the_repo
     assert experts and all(isinstance(w.data, Fp8AllGatherWeight) for w in experts)
 
 
+@pytest.mark.parametrize("world, wrapped", [(4, True), (2, False)])
+def test_expert_weights_under_expert_parallelism_gather_fp8_where_fsdp_shards_them(world, wrapped):
+    """EP 2 deals out whole experts; FSDP2 then shards each rank's experts over world / 2 ranks,
+    so the expert weights gather FP8 (Primus-Turbo's rowwise: per-expert rows), and where that
+    leaves one rank (world 2) FSDP2 does not split them: left unwrapped, nothing to save."""
+    model = meta_model("deepseek_v3")
+    report = convert(
+        model,
+        parallel_dims(world_size=world, ep=2),
+        recipe="rowwise",
+        device="gfx942",
+        backend="emulated",
+        enable_fsdp_float8_all_gather=True,
+    ).report
+    experts = [w for m in model.modules() if isinstance(m, Fp8GroupedExperts) for w in (m.w1, m.w2, m.w3)]
+    assert experts and all(isinstance(w.data, Fp8AllGatherWeight) == wrapped for w in experts)
+    assert "grouped experts: FSDP2 weight all-gather in FP8" in report.summary()
+    assert not report.gathered_in_high_precision
+
+
 @pytest.mark.trainer
 @pytest.mark.parametrize("model", ["llama3", pytest.param("deepseek_v3", marks=pytest.mark.oldest)])
 def test_fp8_all_gather_matches_it_off(model, tmp_path):
@@ -87,3 +112,38 @@ def test_checkpoint_with_fp8_all_gather_resumes_on_one_rank_without_it(tmp_path)
     resumed, log = run_trainer(toml, dump, 3, "--titan_primus.recipe", "tensorwise", *ckpt)
     assert "step-2" in log and "Training starts at step 3" in log
     assert sorted(resumed) == [3] and resumed[3] < first[1]
+
+
+@pytest.mark.trainer
+@pytest.mark.multiprocess
+def test_trainer_gathers_expert_weights_in_fp8_under_expert_parallelism(tmp_path):
+    """deepseek_v3 debug (8 experts per MoE layer), 4 gloo ranks, FSDP 4 with EP 2 (each rank's 4
+    experts sharded over 2 ranks), Primus-Turbo's rowwise emulated, 2 steps, activation
+    checkpointing off (stock 0.2.2 with EP and selective AC fails on this CPU stack:
+    test_token_dispatch.py): every expert weight gathers FP8 ([4, 256, 256] over 2 ranks; 5 MoE
+    layers x 3 weights x forward and backward x 2 steps = 60 per rank, recorded by
+    tests/support/fp8_gather_probe.py through gather_probe.py as custom_import), none in high
+    precision, and the losses equal the option off's (before 2026-12-06: bf16, with a warning)."""
+    args = (
+        *("--parallelism.data_parallel_shard_degree", "4", "--parallelism.expert_parallel_degree", "2"),
+        *("--activation_checkpoint.mode", "none", "--titan_primus.backend", "emulated"),
+        *("--titan_primus.device", "gfx942", "--titan_primus.recipe", "rowwise"),
+        *("--experimental.custom_import", "gather_probe"),
+    )
+    path = os.pathsep.join([str(Path(__file__).parent), str(TESTS), os.environ.get("PYTHONPATH", "")])
+    runs = {}
+    for on in (True, False):
+        probe = tmp_path / f"probe-{on}"
+        env = {fp8_gather_probe.VARIABLE: str(probe), "PYTHONPATH": path}
+        toml = EXAMPLES / "deepseek_v3_debug_fp8.toml"
+        losses, log = run_trainer(toml, tmp_path / str(on), 2, *args, *([ON] if on else []), nproc=4, env=env)
+        runs[on] = losses, [fp8_gather_probe.read(f"{probe}.{rank}") for rank in range(4)], log
+    (on, gathers, log), (off, gathers_off, _) = runs[True], runs[False]
+    assert "grouped experts: FSDP2 weight all-gather in FP8 payload + scales" in log and "in bf16" not in log
+    for rank_gathers in gathers:
+        experts = [g for g in rank_gathers if len(g[0]) == 3]
+        assert experts == [[[4, 256, 256], 2, "fp8"]] * 60, rank_gathers
+        assert all(how == "fp8" and world == 4 for shape, world, how in rank_gathers if len(shape) == 2)
+    assert gathers_off == [[]] * 4
+    assert on == off and sorted(on) == [1, 2], (on, off)
+    print(f"deepseek_v3, FSDP 4 with EP 2, rowwise (gfx942): FP8 all-gather on {on}, off {off}")

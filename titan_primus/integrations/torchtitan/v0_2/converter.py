@@ -24,6 +24,7 @@ from titan_primus.conversion import (
     keep_fp8_cast_rounding_under_inductor,
 )
 from titan_primus.fsdp_fp8 import fp8_all_gather_plan
+from titan_primus.integrations.torchtitan.common.fsdp_shards import fsdp_shards
 from titan_primus.recipes import with_fp8_dispatch, with_token_groups_padded_to
 from titan_primus.sentinel import COMPILE_UNSUPPORTED, SentinelLayer, watch
 from .attention import attention_swaps
@@ -128,7 +129,7 @@ class Float8Converter:
             # another module shares (tied weights) keeps its high-precision all-gather.
             others = [owner for owner in self._owners.get(linear.weight, []) if owner != f"{fqn}.weight"]
             plan = self._all_gather_plan(
-                "linear", decision, fqn, shared_with=", ".join(others) or None, shape=tuple(linear.weight.shape)
+                "linear", decision, fqn, shared_with=", ".join(others) or None, shapes=[tuple(linear.weight.shape)]
             )
             self._place(model, fqn, Fp8Linear.from_linear(linear, decision, plan))
 
@@ -148,7 +149,9 @@ class Float8Converter:
             # too; without EP the module pads them).
             set_token_group_alignment_size_m(alignment)
             recipe = with_token_groups_padded_to(recipe, alignment)
-        plan = self._all_gather_plan("grouped_mm", decision, fqn, shape=tuple(experts.w1.shape))
+        plan = self._all_gather_plan(
+            "grouped_mm", decision, fqn, shapes=[tuple(experts.w1.shape), tuple(experts.w2.shape)]
+        )
         if self.router.token_dispatch(fqn, recipe, unsupported=self._fp8_dispatch_transport(recipe)):
             recipe = with_fp8_dispatch(recipe)
         fp8 = Fp8GroupedExperts.from_experts(experts, decision, alignment, plan, recipe=recipe)
@@ -186,33 +189,28 @@ class Float8Converter:
             fp8.fp8_backend = watch(fp8, fp8.fp8_backend, SentinelLayer(self.sentinel, fqn))
         _swap(model, fqn, fp8)
 
-    def _all_gather_plan(self, op, decision, fqn, shape, shared_with=None):
-        """The FP8 all-gather plan for the weights of the layer at ``fqn`` (of ``shape``: for
-        experts, w1's), where FSDP2 shards them. Tensor parallelism never reaches here with one
-        (check_parallelism refuses TP for these layers); expert weights under expert
-        parallelism, which shards them first, gather in bf16. Without it TorchTitan 0.2 shards
-        every weight on dim 0 over dp_shard x cp ranks: experts whole, linears by rows."""
+    def _all_gather_plan(self, op, decision, fqn, shapes, shared_with=None):
+        """The FP8 all-gather plan for the weights of the layer at ``fqn`` (of ``shapes``),
+        where FSDP2 shards them (:func:`fsdp_shards`: where TorchTitan 0.2 shards them; tensor
+        parallelism never reaches here with one, check_parallelism refuses it for these layers)."""
         dims = self.parallel_dims
-        under_ep = op == "grouped_mm" and dims.ep > 1
-        sharded = (shape, 0, dims.dp_shard * dims.cp) if dims.fsdp_enabled and not under_ep else None
-        if not self.router.fp8_all_gather(op, fqn, shared_with, sharded) or not dims.fsdp_enabled:
+        sharded = [
+            fsdp_shards(
+                shape, experts=op == "grouped_mm", fsdp=dims.dp_shard * dims.cp, ep=dims.ep, dim1_without_ep=False
+            )
+            for shape in shapes
+        ]
+        if not self.router.fp8_all_gather(op, fqn, shared_with, sharded if dims.fsdp_enabled else None):
             return None
-        if under_ep:
-            _warn_no_fp8_all_gather_under_ep()
+        # Nothing to save where FSDP2 does not shard them (no FSDP; expert parallelism leaving
+        # one rank per expert shard).
+        if not dims.fsdp_enabled or all(world == 1 for _, _, world in sharded):
             return None
         return fp8_all_gather_plan(decision.backend, decision.recipe, op)[0]
 
     def post_optimizer_hook(self, model) -> None:
         """Nothing (TorchTitan 0.2.x's ModelConverter protocol asks for it): no scale outlives
         a step; a tensorwise FP8 all-gather reduces its amaxes at each all-gather."""
-
-
-@functools.cache
-def _warn_no_fp8_all_gather_under_ep() -> None:
-    logger.warning(
-        "titan-primus: enable_fsdp_float8_all_gather: FSDP2 gathers the Fp8GroupedExperts weights in bf16: "
-        "expert parallelism shards them first"
-    )
 
 
 def _owners_of_shared_parameters(model: nn.Module) -> dict:

@@ -22,6 +22,7 @@ from torchtitan.distributed.parallel_dims import MeshAxisName
 
 from titan_primus.backends.base import TensorParallelShards
 from titan_primus.conversion import check_parallelism
+from titan_primus.integrations.torchtitan.common.fsdp_shards import fsdp_shards
 from titan_primus.fsdp_fp8 import (
     Fp8AllGatherWeight,
     disable_fp8_all_gather,
@@ -67,39 +68,49 @@ class _Fp8Module:
             passes_shards=not self.covers_experts,
         )
         # Unwrapped before TorchTitan distributes or annotates the weights where FSDP2 is not
-        # the only one to shard them (tensor parallelism; expert parallelism for experts), and
-        # where FSDP2 does not shard (nothing to save).
+        # the only one to shard them along their GEMM dims (tensor parallelism), and where FSDP2
+        # does not shard them (no FSDP; expert parallelism leaving one rank per expert shard):
+        # nothing to save. Expert parallelism deals out whole experts first: the wrapped weight
+        # stays inside its DTensor, and FSDP2 gathers each rank's experts in FP8.
         if self.covers_experts and parallel_dims.ep > 1:
             _log_expert_parallel_scales(type(self).__name__, parallel_dims.ep, self.fp8_recipe)
         if self.fp8_all_gather:
+            shards = self._fsdp_shards(parallel_dims) if parallel_dims.fsdp_enabled else {}
             why_not = self._why_no_fp8_all_gather(parallel_dims)
             if why_not:
                 _warn_no_fp8_all_gather(f"the {type(self).__name__} weights", why_not)
-            elif parallel_dims.fsdp_enabled:
-                why_not = self._fsdp_shard_refusal(parallel_dims)
+            else:
+                why_not = self._fsdp_shard_refusal(shards)
                 if why_not:  # one line per layer: it depends on the layer's shapes
                     _warn_no_fp8_all_gather(f"the weights of {self.fp8_name}", why_not)
-            if why_not or not parallel_dims.fsdp_enabled:
+            if why_not or not any(world > 1 for _, _, world in shards.values()):
                 self.use_fp8_all_gather(False)
         super().parallelize(parallel_dims)
 
     def _why_no_fp8_all_gather(self, parallel_dims) -> str | None:
-        if self.covers_experts and parallel_dims.ep > 1:
-            return "expert parallelism shards them first"
+        """Why these weights gather in bf16 whatever their shapes, or None."""
         return None
 
-    def _fsdp_shard_refusal(self, parallel_dims) -> str | None:
-        """Why FSDP2's shards of these weights cannot carry their FP8 scales (whole rows or
-        blocks), if they cannot. TorchTitan 0.3 shards over its "fsdp" mesh (dp_shard x cp), an
-        expert weight on dim 1 where that mesh has more ranks than there are experts
-        (torchtitan/distributed/fsdp.py)."""
+    def _fsdp_shards(self, parallel_dims) -> dict[str, tuple[tuple[int, ...], int, int]]:
+        """Where TorchTitan 0.3's FSDP2 shards each FP8 weight (:func:`fsdp_shards`)."""
+        return {
+            name: fsdp_shards(
+                tuple(getattr(self, name).shape),
+                experts=self.covers_experts,
+                fsdp=parallel_dims.dp_shard * parallel_dims.cp,
+                ep=parallel_dims.ep,
+                dim1_without_ep=True,
+            )
+            for name in self.fp8_weight_names
+        }
+
+    def _fsdp_shard_refusal(self, shards: dict) -> str | None:
+        """Why FSDP2's ``shards`` of these weights cannot carry their FP8 scales (whole rows or
+        blocks), if they cannot."""
         op = "grouped_mm" if self.covers_experts else "linear"
         plan, _ = fp8_all_gather_plan(self.fp8_backend, self.fp8_recipe, op)
-        world = parallel_dims.dp_shard * parallel_dims.cp
-        for name in self.fp8_weight_names:
-            shape = tuple(getattr(self, name).shape)
-            shard_dim = 1 if self.covers_experts and world > shape[0] else 0
-            why = plan.shard_refusal(shape, shard_dim, world)
+        for name, (shape, dim, world) in shards.items():
+            why = plan.shard_refusal(shape, dim, world)
             if why:
                 return f"{name} {list(shape)}: {why}"
         return None

@@ -1,0 +1,43 @@
+"""A test-only probe of FSDP2's FP8 all-gathers inside TorchTitan's trainer: each call of
+``Fp8AllGatherWeight.fsdp_pre_all_gather`` appends one JSON line, ``[the shape FSDP2 shards, the
+FSDP degree, "fp8" or "high precision"]``, to ``$TITAN_PRIMUS_GATHER_PROBE.<rank>``. Imported by
+TorchTitan 0.3's ``--override.imports support.fp8_gather_probe.probe`` (an override that changes
+nothing) and by TorchTitan 0.2's custom_import (tests/integrations/torchtitan/v0_2/gather_probe.py);
+tests/ must be on PYTHONPATH."""
+
+import json
+import os
+
+from titan_primus.fsdp_fp8 import Fp8AllGatherWeight
+
+_pre_all_gather = Fp8AllGatherWeight.fsdp_pre_all_gather
+
+
+def _recording_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):  # FSDP2 reads the signature
+    inputs, metadata = _pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy)
+    how = "high precision" if metadata[0] == "high precision" else "fp8"
+    with open(f"{os.environ[VARIABLE]}.{os.environ.get('RANK', '0')}", "a") as f:
+        f.write(json.dumps([list(outer_size), mesh.size(), how]) + "\n")
+    return inputs, metadata
+
+
+VARIABLE = "TITAN_PRIMUS_GATHER_PROBE"
+if VARIABLE in os.environ:  # in the trainer's ranks, not in the test reading the record
+    Fp8AllGatherWeight.fsdp_pre_all_gather = _recording_pre_all_gather
+
+
+def read(record) -> list[list]:
+    """The lines a run's rank recorded at ``record`` (the path with the rank appended), in order."""
+    return [json.loads(line) for line in open(record).read().splitlines()] if os.path.exists(record) else []
+
+
+try:
+    from torchtitan.config.override import override
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC
+except ImportError:  # TorchTitan 0.2: its custom_import module imports this one
+    pass
+else:
+
+    @override(target=SelectiveAC.Config, description="records FSDP2's FP8 all-gathers (titan-primus tests)")
+    def probe(config: SelectiveAC.Config) -> SelectiveAC.Config:
+        return config
