@@ -273,6 +273,18 @@ def test_stock_torchao_is_named_where_torchao_has_its_own_entry_point(op, recipe
     )
 
 
+def test_a_stock_torchao_symbol_that_moved_is_named(monkeypatch):
+    """A TorchAO without one of STOCK_SYMBOLS: no stock path, the reason names the symbol (bench
+    skips that row with it)."""
+    import torchao.prototype.moe_training.utils as moe_utils
+
+    monkeypatch.delattr(moe_utils, "_quantize_then_scaled_grouped_mm")
+    backend = tp.registry.get_backend("torchao")
+    stock, verdict = backend.stock_path("grouped_mm", backend.recipe_for("rowwise", tp.device_profile("sm90")))
+    assert stock is None
+    assert verdict.reason == "this TorchAO lacks torchao.prototype.moe_training.utils._quantize_then_scaled_grouped_mm"
+
+
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
 def test_stock_torchao_linear_gives_the_torchao_backends_bits(recipe, torchao_hardware):
     """Stock TorchAO's Float8Linear (convert_to_float8_training), given the caller's weight at

@@ -11,6 +11,7 @@ import importlib
 import torch
 
 from ...recipes import Fp8Recipe
+from .symbols import absent_symbols, symbol
 
 __all__ = [
     "LINEAR_SYMBOLS",
@@ -77,18 +78,13 @@ VERIFIED_TORCHAO = "0.15 to 0.18"
 
 
 def linear_symbol(name: str):
-    return getattr(importlib.import_module(LINEAR_SYMBOLS[name]), name)
+    return symbol(LINEAR_SYMBOLS, name)
 
 
 def missing_linear_symbols() -> str | None:
     """Which of ``LINEAR_SYMBOLS`` the installed TorchAO lacks, as the reason it cannot run; None
     when it has them all."""
-    missing = []
-    for name, module in LINEAR_SYMBOLS.items():
-        try:
-            linear_symbol(name)
-        except (ImportError, AttributeError):
-            missing.append(f"{module}.{name}")
+    missing = absent_symbols(LINEAR_SYMBOLS)
     if not missing:
         return None
     return (

@@ -14,12 +14,11 @@ gives a skipped row naming it)."""
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 
 from ...recipes import Fp8Recipe
 from ..base import Op, StockPath, Verdict
+from .symbols import absent_symbols, symbol
 
 __all__ = ["STOCK_SYMBOLS", "stock_path"]
 
@@ -33,16 +32,11 @@ _LINEAR_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # Float8Linea
 
 
 def _symbol(name: str):
-    return getattr(importlib.import_module(STOCK_SYMBOLS[name]), name)
+    return symbol(STOCK_SYMBOLS, name)
 
 
 def _missing(names: tuple[str, ...]) -> str | None:
-    missing = []
-    for name in names:
-        try:
-            _symbol(name)
-        except (ImportError, AttributeError):
-            missing.append(f"{STOCK_SYMBOLS[name]}.{name}")
+    missing = absent_symbols(STOCK_SYMBOLS, names)
     return f"this TorchAO lacks {', '.join(missing)}" if missing else None
 
 
