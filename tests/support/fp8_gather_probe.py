@@ -31,6 +31,21 @@ def read(record) -> list[list]:
     return [json.loads(line) for line in open(record).read().splitlines()] if os.path.exists(record) else []
 
 
+def assert_expert_weights_gathered_fp8(runs: dict, experts: list, expert_gathers: int, fsdp: int, label: str) -> None:
+    """``runs``: {FP8 all-gather on, off: (losses, each rank's records, log)} of one trainer
+    config. With it on, every rank gathers each expert weight ``expert_gathers`` times as
+    ``experts`` (``[its shape, FSDP degree, "fp8"]``) and every linear in FP8 over ``fsdp`` ranks,
+    and no layer is named as gathering bf16; with it off nothing is recorded; the losses are equal."""
+    (on, gathers, log), (off, gathers_off, _) = runs[True], runs[False]
+    assert "grouped experts: FSDP2 weight all-gather in FP8 payload + scales" in log and "in bf16" not in log
+    for rank_gathers in gathers:
+        assert [g for g in rank_gathers if len(g[0]) == 3] == [experts] * expert_gathers, rank_gathers
+        assert all(how == "fp8" and world == fsdp for shape, world, how in rank_gathers if len(shape) == 2)
+    assert gathers_off == [[]] * len(gathers)
+    assert on == off and len(on) > 1, (on, off)
+    print(f"{label}: FP8 all-gather on {on}, off {off}")
+
+
 try:
     from torchtitan.config.override import override
     from torchtitan.distributed.activation_checkpoint import SelectiveAC
