@@ -400,33 +400,36 @@ def test_trainer_compile_of_blockwise_with_and_without_fp8_all_gather(tmp_path):
 def test_trainer_gathers_expert_weights_in_fp8_under_expert_parallelism(tmp_path):
     """TorchTitan's trainer, deepseek_v3 (8 experts per MoE layer), 4 gloo ranks: FSDP2 over 4
     and expert parallelism 2, so each rank holds 4 experts, which FSDP2 shards over the 2 "efsdp"
-    ranks. Primus-Turbo's tensorwise (gfx942), emulated, 2 steps: its amaxes are reduced per
-    FSDP2 parameter group, and a block's experts (on the "efsdp" mesh) and its other weights (on
-    the "fsdp" mesh) are two groups of one fully_shard (rowwise: TorchTitan 0.2.2's trainer test
-    and the matrix). Every expert weight FSDP2 gathers goes in FP8 ([4, 256, 256] over 2 ranks: 5 MoE layers x 3 weights x forward and
-    backward x 2 steps = 60 gathers per rank, recorded by tests/support/fp8_gather_probe.py), the
-    linears too (over 4 ranks), none in high precision, and the losses equal the option off's
-    (before 2026-12-06 these expert weights gathered bf16). About 35 s for both runs alone, 63 s
-    beside another test."""
-    runs = {}
-    for on in (True, False):
-        probe = tmp_path / f"probe-{on}"
-        losses, log = _fp8_run(
-            "deepseek_v3",
-            tmp_path / str(on),
-            2,
-            on,
-            *EP2_WITHIN_FSDP4,
-            backend="emulated",
-            device="gfx942",
-            nproc=4,
-            probe=probe,
-        )
-        runs[on] = losses, [fp8_gather_probe.read(f"{probe}.{rank}") for rank in range(4)], log
+    ranks. Primus-Turbo's tensorwise (gfx942), emulated: its amaxes are reduced per FSDP2
+    parameter group, and a block's experts (on the "efsdp" mesh) and its other weights (on the
+    "fsdp" mesh) are two groups of one fully_shard (rowwise: TorchTitan 0.2.2's trainer test and
+    the matrix). With the option on, 2 steps and a checkpoint: every expert weight FSDP2 gathers
+    goes in FP8 ([4, 256, 256] over 2 ranks: 5 MoE layers x 3 weights x forward and backward x 2
+    steps = 60 gathers per rank, recorded by tests/support/fp8_gather_probe.py), the linears too
+    (over 4 ranks), none in high precision (before 2026-12-06 these expert weights gathered bf16),
+    and the losses equal the option off's; that checkpoint, resumed with the option off, gives
+    step 3's loss of the run that never stopped (the state dict holds plain tensors under EP
+    too). About 50 s for the three runs alone, 80 s beside another test."""
+    ckpt = ("--checkpoint.enable", "--checkpoint.interval", "2")
+    common = dict(backend="emulated", device="gfx942", nproc=4)
+    on_probe, off_probe = tmp_path / "probe-on", tmp_path / "probe-off"
+    on, on_log = _fp8_run("deepseek_v3", tmp_path / "on", 2, True, *EP2_WITHIN_FSDP4, *ckpt, probe=on_probe, **common)
+    off, _ = _fp8_run("deepseek_v3", tmp_path / "off", 3, False, *EP2_WITHIN_FSDP4, probe=off_probe, **common)
+    runs = {
+        True: (on, [fp8_gather_probe.read(f"{on_probe}.{rank}") for rank in range(4)], on_log),
+        False: (
+            {step: off[step] for step in on},
+            [fp8_gather_probe.read(f"{off_probe}.{rank}") for rank in range(4)],
+            "",
+        ),
+    }
     # 5 MoE layers x 3 weights x forward and backward x 2 steps
     fp8_gather_probe.assert_expert_weights_gathered_fp8(
         runs, [[4, 256, 256], 2, "fp8"], 60, 4, "deepseek_v3, FSDP 4 with EP 2, tensorwise (gfx942)"
     )
+    resumed, log = _fp8_run("deepseek_v3", tmp_path / "on", 3, False, *EP2_WITHIN_FSDP4, *ckpt, **common)
+    assert "Training starts at step 3" in log
+    assert resumed == {3: off[3]}, (resumed, off)
 
 
 @pytest.mark.trainer
