@@ -454,7 +454,7 @@ def test_bench_traffic_model_uses_the_real_model_sizes():
     Llama3-70B 70,553,706,496; Llama3-405B 405,853,388,800; DeepSeek-V3 671B without its MTP
     module), and FP8 all-gather
     halves what it covers: Llama3 about 0.51-0.53x, DeepSeek-V3 about 0.50x (its expert
-    weights, 98% of its parameters, gather in FP8 too)."""
+    weights, 98% of its parameters, gather in FP8 too); blockwise where shards are whole blocks."""
     from titan_primus.cli.bench.traffic import render_traffic
     from titan_primus.diagnostics.traffic.fsdp import MODELS, traffic_rows
 
@@ -469,6 +469,11 @@ def test_bench_traffic_model_uses_the_real_model_sizes():
     assert 0.50 < rows["Llama3-70B"]["tensorwise_ratio"] < rows["Llama3-8B"]["tensorwise_ratio"] < 0.54
     assert rows["Llama3-8B"]["rowwise_bytes"] > rows["Llama3-8B"]["tensorwise_bytes"]
     assert 0.50 < rows["DeepSeek-V3-671B"]["tensorwise_ratio"] < rows["DeepSeek-V3-671B"]["rowwise_ratio"] < 0.51
+    # blockwise: a scale per 128x128 block, but the weights whose shards are not whole blocks
+    # gather bf16, as the FP8 all-gather plan decides in training (Llama3's output projection:
+    # 128256 / 8 = 16032 rows per rank; DeepSeek-V3's wq_a and wkv_a: 192 and 72)
+    assert 0.50 < rows["DeepSeek-V3-671B"]["blockwise_ratio"] < 0.51
+    assert rows["Llama3-8B"]["blockwise_ratio"] > rows["Llama3-8B"]["rowwise_ratio"] + 0.01
     assert "MODEL, computed from shapes" in render_traffic(traffic_rows(8))
     assert "Measured" not in render_traffic(traffic_rows(8))  # bench prints no measured figure it did not measure
 

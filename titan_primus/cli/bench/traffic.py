@@ -15,6 +15,7 @@ _FSDP_COLUMNS = (
     ("bf16", lambda r: f"{r['bf16_bytes'] / _GIB:.1f}"),
     ("FP8 tensorwise", lambda r: f"{r['tensorwise_bytes'] / _GIB:.1f} ({r['tensorwise_ratio']:.3f}x)"),
     ("FP8 rowwise", lambda r: f"{r['rowwise_bytes'] / _GIB:.1f} ({r['rowwise_ratio']:.3f}x)"),
+    ("FP8 blockwise", lambda r: f"{r['blockwise_bytes'] / _GIB:.1f} ({r['blockwise_ratio']:.3f}x)"),
 )
 _EP_COLUMNS = (
     ("degree", lambda r: f"EP {r['ep']}"),
@@ -34,7 +35,8 @@ def render_traffic(rows: list[dict]) -> str:
     return (
         f"FSDP2 all-gather traffic per step and rank on {rows[0]['ranks']} ranks (MODEL, computed from shapes; "
         f"see titan_primus/diagnostics/traffic/fsdp.py), GiB:\n"
-        "rowwise applies to the Primus-Turbo v0.3.1+ definition only; other rowwise definitions gather in bf16\n"
+        "rowwise applies to the Primus-Turbo v0.3.1+ definition only; other rowwise definitions gather in bf16; "
+        "blockwise weights whose shards are not whole 128-row blocks gather in bf16\n"
         f"{column_table(_FSDP_COLUMNS, rows)}\n"
     )
 
