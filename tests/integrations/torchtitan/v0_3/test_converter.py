@@ -299,3 +299,32 @@ def test_parallelize_keeps_in_bf16_and_names_each_weight_whose_shards_cannot_car
             f"of whole 128-row blocks, and FSDP2 shards its 576 rows (dim 0) in 288 per rank (FSDP degree 2)"
         ) in caplog.text
     assert caplog.text.count("FSDP2 gathers the weights of") == len(kept_in_bf16)
+
+
+def test_parallelize_names_layers_whose_weights_lost_the_fp8_all_gather_wrapper(caplog, monkeypatch):
+    """Should TorchTitan's parallelize hand the weights back without the FP8 all-gather weight
+    inside (expert parallelism distributes expert weights; a torch whose distribute_tensor kept
+    no tensor subclass would drop it), the layer says it gathers in bf16, and why."""
+    from torchtitan.distributed.parallel_dims import ParallelDims
+    from torchtitan.protocols.module import Module
+
+    config, _ = convert(
+        config=model_config("deepseek_v3"), recipe="tensorwise", backend="emulated", enable_fsdp_float8_all_gather=True
+    )
+    model = build(config, seed=0)
+    fqn, experts = next((fqn, m) for fqn, m in model.named_modules() if getattr(m, "covers_experts", False))
+    assert experts.fp8_all_gather
+
+    def dropping_the_wrapper(self, parallel_dims):
+        for name in self.fp8_weight_names:
+            setattr(self, name, torch.nn.Parameter(getattr(self, name)._tensor))
+
+    monkeypatch.setattr(Module, "parallelize", dropping_the_wrapper)
+    dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=1, pp=1, ep=1, world_size=2)
+    with caplog.at_level(logging.WARNING, logger="titan_primus"):
+        experts.parallelize(dims)
+    assert not experts.fp8_all_gather
+    assert (
+        f"FSDP2 gathers the weights of {fqn} in bf16: TorchTitan's parallelize made them DTensors without the FP8 "
+        f"all-gather weight inside"
+    ) in caplog.text

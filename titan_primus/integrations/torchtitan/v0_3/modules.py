@@ -85,7 +85,14 @@ class _Fp8Module:
                     _warn_no_fp8_all_gather(f"the weights of {self.fp8_name}", why_not)
             if why_not or not any(world > 1 for _, _, world in shards.values()):
                 self.use_fp8_all_gather(False)
+        wrapped = self.fp8_all_gather
         super().parallelize(parallel_dims)
+        if wrapped and not self.fp8_all_gather:  # distributing the weights (EP) kept no subclass
+            _warn_no_fp8_all_gather(
+                f"the weights of {self.fp8_name}",
+                f"TorchTitan's parallelize made them DTensors without the FP8 all-gather weight inside (torch "
+                f"{torch.__version__}'s distribute_tensor kept no tensor subclass); please report it",
+            )
 
     def _why_no_fp8_all_gather(self, parallel_dims) -> str | None:
         """Why these weights gather in bf16 whatever their shapes, or None."""
